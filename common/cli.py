@@ -1,0 +1,71 @@
+"""The command line every numbered script shares, with checks that say what was wrong."""
+import argparse
+
+import torch
+
+from common.presets import PRESETS
+
+
+def positive_int(text):
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}")
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {value}")
+    return value
+
+
+def positive_float(text):
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}")
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {text}")
+    return value
+
+
+def parse_args(description, argv=None, accum_steps=None):
+    """Parse the shared flags; `accum_steps` (from step 04 on) adds --accum-steps with that default.
+
+    Preset defaults fill --epochs and --batch-size; --lr stays None unless given, so each script
+    picks its optimizer's default from the preset.
+    """
+    parser = argparse.ArgumentParser(description=description,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="tiny",
+                        help="tiny: offline, CPU, seconds (default); article: ViT-L/16 on CIFAR-10")
+    parser.add_argument("--epochs", type=positive_int, help="default: the preset's")
+    parser.add_argument("--batch-size", type=positive_int,
+                        help="samples per optimizer step, over all processes (default: the preset's)")
+    parser.add_argument("--lr", type=positive_float, help="learning rate (default: the preset's)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
+                        help="auto: cuda if available, else cpu")
+    parser.add_argument("--max-steps", type=positive_int,
+                        help="stop after this many optimizer steps (for quick runs)")
+    parser.add_argument("--results-dir", default="results", help="where the JSON record goes")
+    parser.add_argument("--estimate", action="store_true",
+                        help="predict this run's peak GPU memory on fake tensors instead of training")
+    if accum_steps is not None:
+        parser.add_argument("--accum-steps", type=positive_int, default=accum_steps,
+                            help=f"micro-batches per optimizer step (default: {accum_steps})")
+    args = parser.parse_args(argv)
+
+    preset = PRESETS[args.preset]
+    args.epochs = args.epochs or preset.epochs
+    args.batch_size = args.batch_size or preset.batch_size
+    if accum_steps is None:
+        args.accum_steps = 1
+    elif args.batch_size % args.accum_steps:
+        parser.error(f"--batch-size {args.batch_size} is not divisible by --accum-steps "
+                     f"{args.accum_steps}: every micro-batch must have the same size")
+    if args.device == "auto":
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    elif args.device == "cuda" and not torch.cuda.is_available() and not args.estimate:
+        parser.error("--device cuda was asked for, but this PyTorch sees no CUDA device "
+                     f"(torch {torch.__version__}); use --device cpu, or --estimate to "
+                     "predict GPU memory without a GPU")
+    args.device = torch.device(args.device)
+    return args

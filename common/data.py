@@ -1,0 +1,108 @@
+"""Data sets as `datasets.Dataset`s and the loaders that batch them.
+
+tiny: scikit-learn's handwritten digits (1,797 8x8 grey images, shipped inside the package),
+resized to 32x32 RGB. article: CIFAR-10 from the Hub at 224x224, split 45k/5k/10k as in the study.
+"""
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch.utils.data import BatchSampler, DataLoader, RandomSampler, SequentialSampler
+
+from common.hub import require_hub
+
+SPLIT_SEED = 0  # the train/validation/test split never depends on --seed
+
+
+@dataclass
+class Data:
+    train: DataLoader
+    val: DataLoader
+    test: DataLoader
+
+
+def digits_datasets(image_size=32):
+    """Train/validation/test splits (1257/180/360) of scikit-learn's digits."""
+    import datasets
+    from sklearn.datasets import load_digits
+
+    digits = load_digits()
+    images = torch.tensor(digits.images, dtype=torch.float32).unsqueeze(1) / 16.0  # [0, 1]
+    images = F.interpolate(images, size=(image_size, image_size), mode="bilinear",
+                           align_corners=False)
+    images = (images * 2 - 1).expand(-1, 3, -1, -1)  # RGB in [-1, 1], as ViT expects
+    # fixed-shape Array3D features make batched reads fast (nested lists are ~10x slower)
+    features = datasets.Features({
+        "pixel_values": datasets.Array3D((3, image_size, image_size), "float32"),
+        "label": datasets.Value("int64")})
+    full = datasets.Dataset.from_dict(
+        {"pixel_values": images.numpy(), "label": digits.target.astype(np.int64)}, features=features)
+    full = full.with_format("torch")
+    rest_test = full.train_test_split(test_size=360, seed=SPLIT_SEED)
+    train_val = rest_test["train"].train_test_split(test_size=180, seed=SPLIT_SEED)
+    return train_val["train"], train_val["test"], rest_test["test"]
+
+
+def cifar10_datasets(name, image_size=224):
+    """Train/validation/test splits (45k/5k/10k) of CIFAR-10, resized on the fly."""
+    import datasets
+
+    require_hub(f"the data set {name}")
+    cifar = datasets.load_dataset(name)
+    train_val = cifar["train"].train_test_split(test_size=5000, seed=SPLIT_SEED)
+
+    def to_tensors(batch):
+        arrays = [np.asarray(img.convert("RGB").resize((image_size, image_size)), dtype=np.float32)
+                  for img in batch["img"]]
+        pixels = torch.from_numpy(np.stack(arrays)).permute(0, 3, 1, 2) / 127.5 - 1.0
+        return {"pixel_values": pixels, "label": torch.tensor(batch["label"])}
+
+    splits = train_val["train"], train_val["test"], cifar["test"]
+    for split in splits:
+        split.set_transform(to_tensors)
+    return splits
+
+
+class RankSlice:
+    """Each process takes every world_size-th sample of every global batch, starting at its rank."""
+
+    def __init__(self, batch_sampler, rank, world_size):
+        self.batch_sampler, self.rank, self.world_size = batch_sampler, rank, world_size
+
+    def __iter__(self):
+        for batch in self.batch_sampler:
+            yield batch[self.rank::self.world_size]
+
+    def __len__(self):
+        return len(self.batch_sampler)
+
+
+def as_pair(batch):
+    return batch["pixel_values"], batch["label"]
+
+
+def make_loader(dataset, batch_size, shuffle, seed=0, rank=0, world_size=1, num_workers=0):
+    """Batches of whole global batches (sliced per process); training drops the last partial batch."""
+    if shuffle:
+        sampler = RandomSampler(dataset, generator=torch.Generator().manual_seed(seed))
+    else:
+        sampler = SequentialSampler(dataset)
+    batches = RankSlice(BatchSampler(sampler, batch_size, drop_last=shuffle), rank, world_size)
+    # batch_size=None: the sampler yields index lists and the Dataset returns whole batches
+    return DataLoader(dataset, sampler=batches, batch_size=None, collate_fn=as_pair,
+                      num_workers=num_workers)
+
+
+def load_data(preset, batch_size, seed=0, rank=0, world_size=1):
+    """Loaders for one process: `batch_size` is the global batch, split across `world_size` ranks."""
+    if preset.dataset == "digits":
+        train, val, test = digits_datasets(preset.image_size)
+        workers = 0
+    else:
+        train, val, test = cifar10_datasets(preset.dataset, preset.image_size)
+        workers = 4
+    common = dict(rank=rank, world_size=world_size, num_workers=workers)
+    return Data(train=make_loader(train, batch_size, shuffle=True, seed=seed, **common),
+                val=make_loader(val, batch_size, shuffle=False, **common),
+                test=make_loader(test, batch_size, shuffle=False, **common))

@@ -1,0 +1,26 @@
+"""The Vision Transformer: built from a ViTConfig (tiny) or loaded pretrained (article)."""
+import torch
+from transformers import ViTConfig, ViTForImageClassification
+
+from common.hub import require_hub
+
+
+def vit_config(preset):
+    return ViTConfig(**preset.vit, num_labels=preset.num_classes)
+
+
+def create_model(preset, device="cpu", dtype=torch.float32):
+    """A ViT classifier whose parameters are created on `device` in `dtype`, with no copy first."""
+    if preset.model is None:  # train from scratch
+        with torch.device(device):
+            return ViTForImageClassification._from_config(vit_config(preset), dtype=dtype)
+    require_hub(f"the pretrained model {preset.model}")
+    return ViTForImageClassification.from_pretrained(
+        preset.model, num_labels=preset.num_classes, ignore_mismatched_sizes=True,  # new 10-class head
+        dtype=dtype, device_map=str(device))
+
+
+def transformer_blocks(model):
+    """The list of transformer blocks (its attribute moved between transformers versions)."""
+    vit = model.vit
+    return vit.layers if hasattr(vit, "layers") else vit.encoder.layer

@@ -1,0 +1,49 @@
+"""The two presets: `tiny` (offline, CPU, seconds) and `article` (the 2023 study's setting).
+
+Architectures are written out here, so that anything that needs only shapes (the memory
+estimate) works without downloading a model.
+"""
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class Preset:
+    name: str
+    dataset: str               # "digits" (ships with scikit-learn) or a Hub data set id
+    model: str | None          # Hub id of pretrained weights, or None to train from scratch
+    vit: dict = field(default_factory=dict)  # transformers.ViTConfig arguments
+    image_size: int = 32
+    num_classes: int = 10
+    batch_size: int = 32
+    epochs: int = 20
+    lr: float = 1e-3           # Adam, steps 01-04
+    sgd_lr: float = 0.1        # plain SGD, step 05 on
+
+
+PRESETS = {
+    "tiny": Preset(
+        name="tiny",
+        dataset="digits",
+        model=None,
+        vit=dict(hidden_size=128, num_hidden_layers=4, num_attention_heads=4,
+                 intermediate_size=512, patch_size=8, image_size=32),
+        image_size=32, batch_size=32, epochs=20, lr=1e-3, sgd_lr=0.1,
+    ),
+    "article": Preset(
+        name="article",
+        dataset="uoft-cs/cifar10",
+        model="google/vit-large-patch16-224",
+        # google/vit-large-patch16-224 (about 303M parameters), copied from its config.json
+        vit=dict(hidden_size=1024, num_hidden_layers=24, num_attention_heads=16,
+                 intermediate_size=4096, patch_size=16, image_size=224,
+                 hidden_act="gelu", layer_norm_eps=1e-12, qkv_bias=True,
+                 hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0),
+        image_size=224, batch_size=64, epochs=1, lr=5e-5, sgd_lr=0.01,
+    ),
+}
+
+
+def get_preset(name: str) -> Preset:
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}; choose one of: {', '.join(PRESETS)}")
+    return PRESETS[name]

@@ -1,0 +1,60 @@
+"""The end-of-run summary: printed for people, written as JSON for the tour table."""
+import json
+import os
+from pathlib import Path
+
+import torch
+
+from common.progress import is_main_process
+
+
+def mib(nbytes):
+    return f"{nbytes / 2**20:,.2f} MiB"
+
+
+def write_json_atomically(path, record):
+    """Write to a temporary file and rename it, so a reader never sees half a record."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(record, indent=2) + "\n")
+    os.replace(tmp, path)
+
+
+def report(args, script, memory, init_peak_bytes, train_seconds, test_accuracy, steps,
+           world_size=1, **extra):
+    """Print the summary and write results/<script>.json; returns the record."""
+    record = {
+        "script": Path(script).stem,
+        "preset": args.preset,
+        "device": args.device.type,
+        "world_size": world_size,
+        "batch_size": args.batch_size,
+        "accum_steps": args.accum_steps,
+        **memory,
+        "init_peak_memory_bytes": init_peak_bytes,
+        "train_seconds": round(train_seconds, 3),
+        "test_accuracy": test_accuracy,
+        "steps": steps,
+        "epochs": args.epochs,
+        "seed": args.seed,
+        "torch_version": torch.__version__,
+        **extra,
+    }
+    if not is_main_process():
+        return record
+    breakdown = " | ".join(f"{name.replace('_', ' ')} {mib(value)}"
+                           for name, value in memory["breakdown_bytes"].items())
+    print(f"\n== {record['script']}  (preset {args.preset}, {args.device.type}, "
+          f"{world_size} process{'es' if world_size > 1 else ''}) ==")
+    print(f"peak memory of training  {mib(memory['peak_memory_bytes'])}")
+    print(f"  at the peak: {breakdown}")
+    if "cuda_max_reserved_bytes" in memory:
+        print(f"  CUDA reserved          {mib(memory['cuda_max_reserved_bytes'])}")
+    print(f"peak memory of creation  {mib(init_peak_bytes)}")
+    print(f"training time            {train_seconds:.1f} s ({steps} optimizer steps)")
+    print(f"test accuracy            {test_accuracy:.2%}")
+    path = Path(args.results_dir) / f"{record['script']}.json"
+    write_json_atomically(path, record)
+    print(f"record                   {path}")
+    return record
