@@ -42,14 +42,14 @@ def main(argv=None):
     torch.manual_seed(args.seed)
 
     data = load_data(preset, args.batch_size, seed=args.seed)
+    total_steps = args.epochs * len(data.train)  # optimizer steps; the last partial batch is dropped
+    if args.max_steps:
+        total_steps = min(total_steps, args.max_steps)
 
     with measure_creation(device) as creation:
         model = create_model(preset).to(device)
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr or preset.lr)
 
-    total_steps = args.epochs * len(data.train)
-    if args.max_steps:
-        total_steps = min(total_steps, args.max_steps)
     meter = MemoryMeter(device, model, optimizer)
     progress = Progress(total_steps)
     step = 0
@@ -69,7 +69,8 @@ def main(argv=None):
     train_seconds = time.perf_counter() - start - meter.tracked_seconds
 
     test_accuracy = evaluate(model, data.test, device)
-    report(args, __file__, meter.result(), creation.peak_bytes, train_seconds, test_accuracy, step)
+    return report(args, __file__, meter.result(), creation.peak_bytes, train_seconds,
+                  test_accuracy, step)
 
 
 if __name__ == "__main__":

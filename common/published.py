@@ -1,0 +1,26 @@
+"""The 2023 study's published peak-memory figures, for comparison only (never fitted to).
+
+All are `torch.cuda.max_memory_reserved()` on an A100 with a PyTorch 2.1 nightly, one epoch of
+torchvision's ViT-L/16 on CIFAR-10 at 224 px, in GB (10**9 bytes), from the study's own logs.
+"""
+
+# (script, batch size, accumulation steps) -> GB, single GPU
+STUDY_RESERVED_GB = {
+    ("01_baseline", 64, 1): 26.84,
+    ("02_mixed_precision", 64, 1): 18.21,
+    ("03_bf16", 64, 1): 13.82,
+    ("03_bf16", 16, 1): 5.69,
+    ("04_grad_accum", 16, 4): 3.91,
+}
+
+# Context only, not comparable with this repository's 07-08: the study sharded its float32
+# baseline with FSDP over 4 GPUs at batch 64 per GPU (256 per optimizer step).
+STUDY_MULTI_GPU_GB = {
+    "FSDP, 4 GPUs, float32, batch 64 per GPU": 6.59,
+    "FSDP with CPU offload, 4 GPUs, float32, batch 64 per GPU": 6.03,
+}
+
+
+def published_reserved_gb(script, batch_size, accum_steps):
+    """The study's figure for this exact setting, or None."""
+    return STUDY_RESERVED_GB.get((script, batch_size, accum_steps))
