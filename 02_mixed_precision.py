@@ -77,7 +77,7 @@ def main(argv=None):
 
     test_accuracy = evaluate(model, data.test, device)
     return report(args, __file__, meter.result(), creation.peak_bytes, train_seconds,
-                  test_accuracy, step)
+                  test_accuracy, step, losses=progress.loss_values())
 
 
 if __name__ == "__main__":

@@ -82,7 +82,8 @@ def main(argv=None):
 
     test_accuracy = evaluate(model, data.test, device, DTYPE)
     return report(args, __file__, meter.result(), creation.peak_bytes, train_seconds,
-                  test_accuracy, step, final_lr=scheduler.get_last_lr()[0])
+                  test_accuracy, step, losses=progress.loss_values(),
+                  final_lr=scheduler.get_last_lr()[0])
 
 
 if __name__ == "__main__":
