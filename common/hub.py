@@ -7,8 +7,8 @@ import socket
 from urllib.parse import urlparse
 
 
-class HubUnavailable(RuntimeError):
-    pass
+class HubUnavailable(SystemExit):
+    """A user-facing stop: Python prints the message (no traceback) and exits with status 1."""
 
 
 def hub_reachable(timeout=3.0):

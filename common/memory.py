@@ -11,6 +11,7 @@ import time
 from contextlib import contextmanager
 
 import torch
+import torch.distributed as dist
 from torch.distributed._tools.mem_tracker import MemTracker
 
 TRACKED_STEPS = 2
@@ -20,6 +21,10 @@ CATEGORIES = {
     "Parameter": "parameters", "Buffer": "parameters", "Gradient": "gradients",
     "Optstate": "optimizer_state", "Activation": "activations",
     "Temp": "temporaries", "Other": "temporaries",
+    # FSDPMemTracker's (steps 07-09): shards and gathered copies, and the collectives' buffers
+    "Sharded Param": "parameters", "Unsharded Param": "parameters",
+    "Sharded Grad": "gradients", "Unsharded Grad": "gradients", "OptState": "optimizer_state",
+    "Inputs": "activations", "All Gather": "temporaries", "Reduce Scatter": "temporaries",
 }
 BREAKDOWN_KEYS = ("parameters", "gradients", "optimizer_state", "activations", "temporaries")
 
@@ -40,10 +45,20 @@ def fold_breakdown(stats):
     return breakdown
 
 
-class MemoryMeter:
-    """Wrap each optimizer step in `meter.step()`; read `meter.result()` at the end."""
+def memory_tracker(model, optimizer):
+    """A MemTracker that knows the model and the optimizer created before it starts."""
+    tracker = MemTracker()
+    tracker.track_external(model, optimizer)
+    return tracker
 
-    def __init__(self, device, model, optimizer, tracker_factory=MemTracker):
+
+class MemoryMeter:
+    """Wrap each optimizer step in `meter.step()`; read `meter.result()` at the end.
+
+    `tracker_factory(model, optimizer)` makes the tracker (MemTracker by default).
+    """
+
+    def __init__(self, device, model, optimizer, tracker_factory=memory_tracker):
         self.device, self.model, self.optimizer = device, model, optimizer
         self.tracker_factory = tracker_factory
         self.tracker = None
@@ -53,47 +68,53 @@ class MemoryMeter:
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
 
+    def forget_previous_forward(self, module, args):
+        # MemTracker refuses a second forward of the root module unless told it is a new
+        # iteration; with gradient accumulation one step runs several.
+        if module is self.model:
+            self.tracker.reset_mod_stats()
+
     @contextmanager
     def step(self):
-        if self.steps_seen >= TRACKED_STEPS:
-            self.steps_seen += 1
+        """Track this step (the first TRACKED_STEPS of a run); later steps run untouched."""
+        self.steps_seen += 1
+        if self.steps_seen > TRACKED_STEPS:
             yield
             return
         if self.tracker is None:
-            self.tracker = self.tracker_factory()
-            self.tracker.track_external(self.model, self.optimizer)
-            self.tracker.__enter__()
+            self.tracker = self.tracker_factory(self.model, self.optimizer)
+        # registered before the tracker's own global hooks, so it runs first
+        hook = torch.nn.modules.module.register_module_forward_pre_hook(
+            self.forget_previous_forward)
         start = time.perf_counter()
         try:
-            yield
-            self.tracker.reset_mod_stats()  # MemTracker needs this between iterations
-        except BaseException:
-            self.stop_tracking()
-            raise
+            with self.tracker:  # entering starts a new peak: keep the highest one seen
+                yield
         finally:
+            hook.remove()
             self.tracked_seconds += time.perf_counter() - start
-        self.steps_seen += 1
-        if self.steps_seen == TRACKED_STEPS:
-            self.stop_tracking()
-
-    def stop_tracking(self):
-        if self.tracker is None:
-            return
-        self.tracker.__exit__(None, None, None)
         stats = device_snapshot(self.tracker.get_tracker_snapshot("peak"), self.device)
-        self.peak_bytes = stats.get("Total", 0)
-        self.breakdown = fold_breakdown(stats)
-        self.tracker = None
+        if stats.get("Total", 0) > self.peak_bytes:
+            self.peak_bytes, self.breakdown = stats["Total"], fold_breakdown(stats)
 
     def result(self):
         """Peak bytes (tracked steps), its breakdown, and on CUDA the allocator's own peaks."""
-        self.stop_tracking()
         result = {"peak_memory_bytes": self.peak_bytes, "breakdown_bytes": self.breakdown}
         if self.device.type == "cuda":
             result["peak_memory_bytes"] = torch.cuda.max_memory_allocated(self.device)
             result["cuda_max_allocated_bytes"] = result["peak_memory_bytes"]
             result["cuda_max_reserved_bytes"] = torch.cuda.max_memory_reserved(self.device)
+        if dist.is_available() and dist.is_initialized():
+            result = highest_over_processes(result)
         return result
+
+
+def highest_over_processes(result):
+    """The result of the process with the highest peak, with every process's peak beside it."""
+    results = [None] * dist.get_world_size()
+    dist.all_gather_object(results, result)
+    highest = max(results, key=lambda each: each["peak_memory_bytes"])
+    return {**highest, "rank_peak_memory_bytes": [each["peak_memory_bytes"] for each in results]}
 
 
 @contextmanager

@@ -1,24 +1,14 @@
 """The end-of-run summary: printed for people, written as JSON for the tour table."""
-import json
-import os
 from pathlib import Path
 
 import torch
 
+from common.files import write_json_atomically
 from common.progress import is_main_process
 
 
 def mib(nbytes):
     return f"{nbytes / 2**20:,.2f} MiB"
-
-
-def write_json_atomically(path, record):
-    """Write to a temporary file and rename it, so a reader never sees half a record."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(record, indent=2) + "\n")
-    os.replace(tmp, path)
 
 
 def report(args, script, memory, init_peak_bytes, train_seconds, test_accuracy, steps,
@@ -48,6 +38,8 @@ def report(args, script, memory, init_peak_bytes, train_seconds, test_accuracy, 
     print(f"\n== {record['script']}  (preset {args.preset}, {args.device.type}, "
           f"{world_size} process{'es' if world_size > 1 else ''}) ==")
     print(f"peak memory of training  {mib(memory['peak_memory_bytes'])}")
+    if len(memory.get("rank_peak_memory_bytes", [])) > 1:  # the highest is the one above
+        print(f"  per process: {' | '.join(mib(peak) for peak in memory['rank_peak_memory_bytes'])}")
     print(f"  at the peak: {breakdown}")
     if "cuda_max_reserved_bytes" in memory:
         print(f"  CUDA reserved          {mib(memory['cuda_max_reserved_bytes'])}")

@@ -1,0 +1,247 @@
+"""The tour: each numbered script in order on the default preset, the GPU estimate, then the report.
+
+  python -m common.tour                  # all steps, then results/tour.md, tour.png, estimate.png
+  python -m common.tour --steps 01 03 --max-steps 2 --epochs 1 --skip-estimate   # a quick look
+  python -m common.tour --publish docs   # also copy the tables and charts to docs/ for the README
+
+Steps from 07 on shard across processes and run under torchrun with 2 processes (on CPU, gloo).
+Each step's output streams as it runs. A step that fails (non-zero exit, or no JSON record) is
+shown as failed in the table with the end of its stderr, and the others still run; the command
+then exits with status 1.
+
+Everything is first written to a fresh directory inside --results-dir and moved in at the end, so
+an interrupted run leaves the previous results as they were, a table is never half-written, and a
+record from an earlier run is never read as this run's.
+"""
+import argparse
+import importlib.util
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from common.cli import positive_int
+from common.files import atomic_path, write_json_atomically
+from common.tour_records import ESTIMATE_FILE, TOUR_FILE, read_json
+from common.tour_report import (ESTIMATE_CHART, ESTIMATE_TABLE, REPORT_FILES, TOUR_CHART,
+                                 TOUR_TABLE, write_report)
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT_PATTERN = "[0-9][0-9]_*.py"
+FIRST_DISTRIBUTED_STEP = 7  # 07_fsdp and after shard the model across processes
+PROCESSES = 2
+ESTIMATE_MODULE = "common.estimate"
+ERROR_LINES = 20  # how much of a failed step's stderr the report keeps
+TRACEBACK_START = "Traceback (most recent call last):"
+RANK_PREFIX = re.compile(r"^\[rank\d+\]:\s?")     # what torchrun may put before a child's lines
+TORCHRUN_LOG_LINE = re.compile(r"^[EWIF]\d{4} ")   # torchrun's own log lines ("E1121 23:17:57 ...")
+ARGPARSE_ERROR = re.compile(r"^\S+: error: ")      # "01_baseline.py: error: argument --epochs: ..."
+
+
+@dataclass
+class Step:
+    name: str            # what the progress lines call it: "03_bf16.py", "estimate"
+    command: list
+    output: str          # the file it must leave in the results directory
+    record_name: str     # the name tour.json gives it
+
+
+def find_scripts(scripts_dir):
+    return sorted(Path(scripts_dir).resolve().glob(SCRIPT_PATTERN))
+
+
+def select_scripts(scripts, wanted, parser):
+    """The scripts named by --steps ("3", "03", "03_bf16" or "03_bf16.py"), in tour order."""
+    if not wanted:
+        return scripts
+    chosen = set()
+    for token in wanted:
+        matches = [script for script in scripts
+                   if (int(script.name[:2]) == int(token) if token.isdigit()
+                       else script.stem == Path(token).stem)]
+        if not matches:
+            parser.error(f"--steps: no script {token!r} here; the steps are: "
+                         + " ".join(script.stem for script in scripts))
+        chosen.update(matches)
+    return [script for script in scripts if script in chosen]
+
+
+def script_step(script, results_dir, passed_flags):
+    if int(script.name[:2]) >= FIRST_DISTRIBUTED_STEP:
+        launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone",  # a free port
+                    f"--nproc_per_node={PROCESSES}"]
+    else:
+        launcher = [sys.executable]
+    command = [*launcher, str(script), "--results-dir", str(results_dir), *passed_flags]
+    return Step(script.name, command, f"{script.stem}.json", script.stem)
+
+
+def estimate_step(results_dir):
+    """The GPU estimate (article preset), or None while this checkout has no estimate module."""
+    if importlib.util.find_spec(ESTIMATE_MODULE) is None:
+        return None
+    command = [sys.executable, "-m", ESTIMATE_MODULE, "--results-dir", str(results_dir)]
+    return Step("estimate", command, ESTIMATE_FILE, "estimate")
+
+
+def error_line_index(lines):
+    """Index of the last line that states an error: an exception (the first unindented line after
+    a traceback) or an argparse error. torchrun's ChildFailedError is passed over: it says only that
+    a child failed, after the child's own traceback. None when no line looks like either."""
+    found, in_traceback = None, False
+    for index, line in enumerate(lines):
+        if line.startswith(TRACEBACK_START):
+            in_traceback = True
+        elif in_traceback and line.strip() and not line[0].isspace():
+            in_traceback = False
+            if "ChildFailedError" not in line:
+                found = index
+        elif ARGPARSE_ERROR.match(line):
+            found = index
+    return found
+
+
+def error_excerpt(stderr_lines):
+    """(the line that names a failed step's error, the end of its stderr up to and including it)."""
+    lines = [RANK_PREFIX.sub("", line) for line in stderr_lines]
+    end = error_line_index(lines)
+    if end is None:  # e.g. sys.exit("message"): its last line with words
+        with_words = [index for index, line in enumerate(lines) if re.search(r"\w", line)]
+        if not with_words:
+            return None, []
+        end = stop = with_words[-1]
+    else:  # a message may span several lines, up to a blank one or the launcher's own output
+        stop = end
+        while (stop + 1 < len(lines) and lines[stop + 1].strip()
+               and not lines[stop + 1].startswith(TRACEBACK_START)
+               and not TORCHRUN_LOG_LINE.match(lines[stop + 1])):
+            stop += 1
+    return lines[end].strip(), lines[max(0, stop + 1 - ERROR_LINES):stop + 1]
+
+
+def stream_stderr(process):
+    """Pass the process's stderr through as it comes; return its lines."""
+    lines = []
+    for line in process.stderr:
+        sys.stderr.write(line)
+        sys.stderr.flush()
+        lines.append(line.rstrip("\n"))
+    return lines
+
+
+def run_step(step, results_dir, position):
+    """Run one step with its output streaming through; returns its outcome for tour.json."""
+    print(f"\n{position} {step.name} ...", flush=True)
+    start = time.perf_counter()
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}  # its lines interleave with ours in order
+    with subprocess.Popen(step.command, cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True,
+                          errors="replace") as process:
+        stderr_lines = stream_stderr(process)
+        returncode = process.wait()
+    seconds = time.perf_counter() - start
+    _, unreadable = read_json(results_dir / step.output)
+    error_line, error_lines = error_excerpt(stderr_lines)
+    if returncode != 0:
+        error = f"exit status {returncode}: {error_line or 'no error message'}"
+    elif unreadable:
+        error, error_lines = f"exit status 0 but {unreadable}", []
+    else:
+        error, error_lines = None, []
+    print(f"{position} {step.name} {'ok' if error is None else 'FAILED, ' + error} "
+          f"({seconds:.1f} s)", flush=True)
+    return {"script": step.record_name, "returncode": returncode,
+            "wall_seconds": round(seconds, 1), "status": "ok" if error is None else "failed",
+            "error": error, "error_lines": error_lines}
+
+
+def move_results(staging, results_dir, responsible_for):
+    """Move this run's files into `results_dir`, each by an atomic rename, the table last; remove
+    the files this run was responsible for but did not produce, so none of them is left stale."""
+    produced = sorted((path for path in staging.iterdir() if path.is_file()),
+                      key=lambda path: path.name == TOUR_TABLE)
+    for path in produced:
+        os.replace(path, results_dir / path.name)
+    for name in set(responsible_for) - {path.name for path in produced}:
+        (results_dir / name).unlink(missing_ok=True)
+
+
+def publish(results_dir, names, publish_dir):
+    """Copy the report files to `publish_dir` (docs/ for the README), each atomically."""
+    for name in names:
+        with atomic_path(publish_dir / name) as tmp:
+            shutil.copyfile(results_dir / name, tmp)
+    print(f"copied {', '.join(names)} to {publish_dir}/")
+
+
+def parse_args(argv=None, scripts=()):
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--results-dir", type=Path, default=Path("results"),
+                        help="where the records, tables and charts go (default: results)")
+    parser.add_argument("--steps", nargs="+", metavar="NN",
+                        help="run only these steps, e.g. --steps 01 03 (default: all)")
+    parser.add_argument("--max-steps", type=positive_int,
+                        help="passed to every script: stop after this many optimizer steps")
+    parser.add_argument("--epochs", type=positive_int, help="passed to every script")
+    parser.add_argument("--skip-estimate", action="store_true",
+                        help="do not run the GPU estimate (python -m common.estimate)")
+    parser.add_argument("--publish", type=Path, metavar="DIR",
+                        help="also copy tour.md, tour.png, estimate.md and estimate.png to DIR "
+                             "(docs, for the README)")
+    args = parser.parse_args(argv)
+    args.scripts = select_scripts(list(scripts), args.steps, parser)
+    if not args.scripts:
+        parser.error(f"no numbered scripts ({SCRIPT_PATTERN}) found")
+    args.passed_flags = [*(["--max-steps", str(args.max_steps)] if args.max_steps else []),
+                         *(["--epochs", str(args.epochs)] if args.epochs else [])]
+    return args
+
+
+def main(argv=None, scripts_dir=ROOT):
+    """Run the tour; returns the exit status (1 if any step failed). `scripts_dir` holds the
+    numbered scripts (the tests point it at stand-ins)."""
+    args = parse_args(argv, find_scripts(scripts_dir))
+    results_dir = args.results_dir.resolve()
+    results_dir.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=".tour-", dir=results_dir))
+    try:
+        steps = [script_step(script, staging, args.passed_flags) for script in args.scripts]
+        estimate = None if args.skip_estimate else estimate_step(staging)
+        total = len(steps) + (estimate is not None)
+        outcomes = [run_step(step, staging, f"[{number}/{total}]")
+                    for number, step in enumerate(steps, 1)]
+        if estimate is not None:
+            estimate_outcome = run_step(estimate, staging, f"[{total}/{total}]")
+        else:
+            reason = ("--skip-estimate" if args.skip_estimate
+                      else f"this checkout has no {ESTIMATE_MODULE} module")
+            estimate_outcome = {"script": "estimate", "status": "skipped", "error": reason}
+        write_json_atomically(staging / TOUR_FILE, {
+            "steps": outcomes, "estimate": estimate_outcome, "passed_flags": args.passed_flags})
+        report_text = write_report(staging)
+        report_names = [name for name in REPORT_FILES if (staging / name).is_file()]
+        responsible_for = [TOUR_FILE, TOUR_TABLE, TOUR_CHART, *(step.output for step in steps)]
+        if estimate is not None:
+            responsible_for += [ESTIMATE_FILE, ESTIMATE_TABLE, ESTIMATE_CHART]
+        move_results(staging, results_dir, responsible_for)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+    print("\n" + report_text)
+    print(f"written to {results_dir}/: {', '.join(report_names)}")
+    if args.publish:
+        publish(results_dir, report_names, args.publish)
+    failed = [outcome["script"] for outcome in [*outcomes, estimate_outcome]
+              if outcome["status"] == "failed"]
+    if failed:
+        print(f"failed: {', '.join(failed)} (see the table)")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,180 @@
+"""The tour's report: markdown tables and the two charts, built from a results directory's JSON.
+
+  python -m common.tour_report [results]   # rebuild tour.md, tour.png, estimate.md, estimate.png
+
+`python -m common.tour` calls this after its steps; run it alone to rebuild the report from records
+already there (for instance after rerunning one script by hand). Every file is written to a
+temporary name and renamed, so a reader never sees half a table or half an image.
+"""
+import argparse
+import sys
+from pathlib import Path
+
+from common.charts import estimate_figure, save_png, tour_figure
+from common.files import write_text_atomically
+from common.memory import BREAKDOWN_KEYS
+from common.published import STUDY_RESERVED_GB
+from common.tour_records import (ESTIMATE_FILE, GB, MIB, in_units, load_estimate_rows,
+                                  load_step_rows, read_tour, shown)
+
+TOUR_TABLE, TOUR_CHART = "tour.md", "tour.png"
+ESTIMATE_TABLE, ESTIMATE_CHART = "estimate.md", "estimate.png"
+REPORT_FILES = (TOUR_TABLE, TOUR_CHART, ESTIMATE_TABLE, ESTIMATE_CHART)
+ERROR_CELL_CHARS = 160  # the full error lines go below the table
+
+
+def cell(text):
+    """`text` made safe for one markdown table cell: one line, no column breaks, not too long."""
+    text = " ".join(str(text).split()).replace("|", "\\|")
+    return text if len(text) <= ERROR_CELL_CHARS else text[:ERROR_CELL_CHARS - 3] + "..."
+
+
+def markdown_table(header, rows, align):
+    """`align` has one character per column: "l" or "r"."""
+    rule = ["---:" if side == "r" else "---" for side in align]
+    return "\n".join("| " + " | ".join(line) + " |" for line in [header, rule, *rows]) + "\n"
+
+
+def step_name(row):
+    several = row.world_size and row.world_size > 1
+    return row.script + (f" ({row.world_size} processes)" if several else "")
+
+
+def baseline_peak(rows):
+    """01's peak, which the other steps are compared with, if 01 ran and measured one."""
+    return next((row.peak_bytes for row in rows if row.script.startswith("01_") and row.ok
+                 and row.peak_bytes), None)
+
+
+def status(row):
+    return "ok" if row.ok else cell(f"failed: {row.error or 'unknown error'}")
+
+
+def tour_table(rows):
+    """A line per step: peak memory, ratio to 01, breakdown (all MiB), time, accuracy, status."""
+    baseline = baseline_peak(rows)
+    header = ["step", "peak MiB", "vs 01", *(key.replace("_", " ") for key in BREAKDOWN_KEYS),
+              "training time", "test accuracy", "status"]
+    lines = []
+    for row in rows:
+        ratio = row.peak_bytes / baseline if baseline and row.peak_bytes is not None else None
+        lines.append([step_name(row),
+                      shown(in_units(row.peak_bytes, MIB), ",.2f"),
+                      shown(ratio, ".2f", "x"),
+                      *(shown(in_units(row.breakdown_bytes[key], MIB), ",.2f")
+                        for key in BREAKDOWN_KEYS),
+                      shown(row.train_seconds, ".1f", " s"),
+                      shown(in_units(row.test_accuracy, 0.01), ".1f", "%"),
+                      status(row)])
+    return markdown_table(header, lines, "lrrrrrrrrrl")
+
+
+def error_details(title, error_lines):
+    return f"### {title}\n\n```text\n" + "\n".join(error_lines) + "\n```\n"
+
+
+def estimate_note(estimate_outcome):
+    """One line on how this tour's GPU estimate ended."""
+    if not estimate_outcome:
+        return ""
+    state = estimate_outcome.get("status")
+    if state == "ok":
+        return (f"GPU memory prediction for the article preset: see {ESTIMATE_TABLE} and "
+                f"{ESTIMATE_CHART}.\n")
+    if state == "skipped":
+        return f"GPU memory prediction: skipped ({estimate_outcome.get('error') or 'n/a'}).\n"
+    return f"GPU memory prediction: failed: {cell(estimate_outcome.get('error') or 'n/a')}\n"
+
+
+def tour_markdown(rows, tour=None):
+    """tour.md: what was measured and how, the table, and the end of each failed step's stderr."""
+    tour = tour or {}
+    presets = sorted({row.preset for row in rows if row.preset})
+    devices = sorted({row.device for row in rows if row.device})
+    parts = ["# The tour: peak memory, training time and test accuracy per step\n",
+             f"Preset {', '.join(presets) or 'n/a'}, device {', '.join(devices) or 'n/a'}. "
+             "Peak memory: the tensors alive at the peak of the first two optimizer steps "
+             "(the largest over processes), MiB = 2^20 bytes; \"vs 01\" divides it by "
+             "01_baseline's. Training time leaves out those two measured steps.\n"]
+    if tour.get("passed_flags"):
+        parts.append(f"Quick run ({' '.join(tour['passed_flags'])}): training time and test "
+                     "accuracy are not those of full training.\n")
+    parts.append(tour_table(rows) if rows else "No steps ran.\n")
+    estimate_outcome = tour.get("estimate")
+    parts.append(estimate_note(estimate_outcome))
+    failures = [(row.script, row.error_lines) for row in rows if row.error_lines]
+    if estimate_outcome and estimate_outcome.get("error_lines"):
+        failures.append(("estimate", estimate_outcome["error_lines"]))
+    if failures:
+        parts.append("## Errors (the end of each failed step's stderr)\n")
+        parts.extend(error_details(title, lines) for title, lines in failures)
+    return "\n".join(part for part in parts if part)
+
+
+def estimate_table(estimates):
+    header = ["script", "setting", "allocated GB", "reserved GB", "study GB", "reserved / study"]
+    lines = []
+    for estimate in estimates:
+        allocated = in_units(estimate.allocated_bytes, GB)
+        reserved = in_units(estimate.reserved_bytes, GB)
+        published = estimate.published_gb
+        ratio = reserved / published if reserved is not None and published else None
+        lines.append([estimate.script, estimate.setting(), shown(allocated, ".2f"),
+                      shown(reserved, ".2f"), shown(estimate.published_gb, ".2f"),
+                      shown(ratio, ".2f")])
+    return markdown_table(header, lines, "llrrrr")
+
+
+def unmatched_published(estimates):
+    """The study's single-GPU figures for settings that no prediction covers."""
+    predicted = {(e.script, e.batch_size, e.accum_steps or 1) for e in estimates
+                 if e.published_gb is not None}
+    return {setting: gb for setting, gb in STUDY_RESERVED_GB.items() if setting not in predicted}
+
+
+def estimate_markdown(estimates):
+    """estimate.md: the predictions, each beside the study's figure for the same setting."""
+    parts = ["# Predicted peak GPU memory of training\n",
+             "Predicted on fake tensors by `python -m common.estimate`, without a GPU: allocated "
+             "as `torch.cuda.max_memory_allocated`, reserved as `torch.cuda.max_memory_reserved`; "
+             "GB = 10^9 bytes. \"study\" is the 2023 study's published `max_memory_reserved` for "
+             "the same script and setting (one A100, PyTorch 2.1 nightly).\n",
+             estimate_table(estimates)]
+    missing = unmatched_published(estimates)
+    if missing:
+        parts.append("Published by the study but not predicted here: " + "; ".join(
+            f"{script} at batch {batch}" + (f", {accum} micro-batches" if accum > 1 else "")
+            + f": {gb:.2f} GB" for (script, batch, accum), gb in missing.items()) + ".\n")
+    return "\n".join(parts)
+
+
+def write_report(results_dir):
+    """Write the report files into `results_dir`; returns what to print (tables and notes)."""
+    results_dir = Path(results_dir)
+    rows = load_step_rows(results_dir)
+    tour_text = tour_markdown(rows, read_tour(results_dir))
+    write_text_atomically(results_dir / TOUR_TABLE, tour_text)
+    save_png(tour_figure(rows), results_dir / TOUR_CHART)
+    estimates, problem = load_estimate_rows(results_dir)
+    if not estimates:
+        problem = problem or f"{ESTIMATE_FILE} holds no predictions"
+        return tour_text + f"\nGPU estimate chart skipped: {problem}.\n"
+    estimate_text = estimate_markdown(estimates)
+    write_text_atomically(results_dir / ESTIMATE_TABLE, estimate_text)
+    save_png(estimate_figure(estimates), results_dir / ESTIMATE_CHART)
+    return tour_text + "\n" + estimate_text
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("results_dir", nargs="?", default="results",
+                        help="the directory with the JSON records (default: results)")
+    args = parser.parse_args(argv)
+    if not Path(args.results_dir).is_dir():
+        parser.error(f"{args.results_dir} is not a directory; run `python -m common.tour` first")
+    print(write_report(args.results_dir))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

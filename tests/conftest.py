@@ -1,0 +1,55 @@
+"""Helpers shared by the tests: load a numbered script as a module and run its main()."""
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+QUICK = ["--epochs", "1", "--max-steps", "2"]  # the memory peak is reached within two steps
+
+
+def script_path(name):
+    matches = sorted(ROOT.glob(f"{name}*.py"))
+    if not matches:
+        raise FileNotFoundError(f"no script {name}*.py in {ROOT}")
+    return matches[0]
+
+
+def load_script(name):
+    """Import e.g. '04' (04_grad_accum.py) as a fresh module object."""
+    path = script_path(name)
+    spec = importlib.util.spec_from_file_location(f"script_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+class Captured:
+    """What a run built: its MemoryMeter sees the model and the optimizer."""
+    meter = None
+
+
+def run_script(name, args, results_dir, module=None):
+    """Run a script's main() in this process; returns (record, captured model and optimizer)."""
+    module = module or load_script(name)
+    captured = Captured()
+    meter_class = module.MemoryMeter
+
+    class CapturingMeter(meter_class):
+        def __init__(self, *a, **k):
+            super().__init__(*a, **k)
+            captured.meter = self
+
+    module.MemoryMeter = CapturingMeter
+    record = module.main([*args, "--results-dir", str(results_dir)])
+    return record, captured.meter
+
+
+@pytest.fixture(scope="session")
+def quick_records(tmp_path_factory):
+    """One quick run of each single-device step, shared by the tests that only read records."""
+    results = tmp_path_factory.mktemp("quick")
+    return {name: run_script(name, QUICK, results)[0] for name in ["01", "02", "03", "04", "05", "06"]}

@@ -1,0 +1,178 @@
+"""Steps 01-06 on the tiny preset: each runs, and each technique does what it claims."""
+import json
+import math
+
+import pytest
+import torch
+
+from common import hub
+from common.model import create_model
+from common.presets import get_preset
+from conftest import QUICK, load_script, run_script
+
+SINGLE_DEVICE_STEPS = ["01", "02", "03", "04", "05", "06"]
+RECORD_FIELDS = {"script", "preset", "device", "world_size", "batch_size", "accum_steps",
+                 "peak_memory_bytes", "breakdown_bytes", "init_peak_memory_bytes",
+                 "train_seconds", "test_accuracy", "steps"}
+
+
+@pytest.mark.parametrize("name", SINGLE_DEVICE_STEPS)
+def test_every_step_runs_and_writes_its_record(name, quick_records, tmp_path):
+    record = quick_records[name]
+    assert RECORD_FIELDS <= record.keys()
+    assert record["steps"] == 2 and record["preset"] == "tiny" and record["device"] == "cpu"
+    assert 0.0 <= record["test_accuracy"] <= 1.0
+    assert record["peak_memory_bytes"] > 0
+    assert sum(record["breakdown_bytes"].values()) == record["peak_memory_bytes"]
+
+
+def test_written_record_matches_returned_one(tmp_path):
+    record, _ = run_script("01", QUICK, tmp_path)
+    written = json.loads((tmp_path / "01_baseline.json").read_text())
+    assert written == json.loads(json.dumps(record))
+    assert not list(tmp_path.glob("*.tmp"))  # atomic write leaves no temporary file
+
+
+def test_peak_memory_falls_step_by_step(quick_records):
+    peaks = [quick_records[name]["peak_memory_bytes"] for name in ["01", "02", "03", "04", "05"]]
+    assert peaks == sorted(peaks, reverse=True) and len(set(peaks)) == len(peaks), peaks
+
+
+def test_memory_figures_repeat_exactly_with_the_same_seed(quick_records, tmp_path):
+    again, _ = run_script("04", QUICK, tmp_path)
+    first = quick_records["04"]
+    assert again["peak_memory_bytes"] == first["peak_memory_bytes"]
+    assert again["breakdown_bytes"] == first["breakdown_bytes"]
+    assert again["losses"] == first["losses"]
+
+
+def batch(size=8, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    images = torch.randn(size, 3, 32, 32, generator=generator)
+    return images, torch.randint(0, 10, (size,), generator=generator)
+
+
+def test_mixed_precision_runs_float16_activations_on_float32_weights(tmp_path):
+    script = load_script("02")
+    model = create_model(get_preset("tiny"))
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu")
+    activation_dtypes = set()
+    for block_linear in [m for m in model.modules() if isinstance(m, torch.nn.Linear)]:
+        block_linear.register_forward_hook(lambda m, i, out: activation_dtypes.add(out.dtype))
+    script.train_step(model, optimizer, scaler, *batch(), torch.device("cpu"))
+    assert activation_dtypes == {torch.float16}
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
+    assert all(t.dtype == torch.float32 for s in optimizer.state.values() for t in s.values()
+               if t.dim() > 0)
+
+
+def test_scaler_skips_the_step_and_lowers_the_scale_on_an_inf_gradient():
+    script = load_script("02")
+    model = create_model(get_preset("tiny"))
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    before = [p.detach().clone() for p in model.parameters()]
+    first = next(model.parameters())
+    first.register_hook(lambda grad: torch.full_like(grad, math.inf))
+    script.train_step(model, optimizer, scaler, *batch(), torch.device("cpu"))
+    assert scaler.get_scale() == 512.0
+    assert all(torch.equal(b, p) for b, p in zip(before, model.parameters()))
+    assert not optimizer.state  # Adam never stepped, so it holds no state yet
+
+
+def test_bf16_true_keeps_parameters_and_optimizer_state_in_bfloat16(tmp_path):
+    _, meter = run_script("03", QUICK, tmp_path)
+    assert {p.dtype for p in meter.model.parameters()} == {torch.bfloat16}
+    states = [t for s in meter.optimizer.state.values() for t in s.values() if t.dim() > 0]
+    assert states and {t.dtype for t in states} == {torch.bfloat16}
+
+
+class GradientCapture:
+    """Stands in for the optimizer: keeps a copy of the gradients instead of stepping."""
+
+    def __init__(self, model):
+        self.model, self.gradients = model, None
+
+    def step(self):
+        self.gradients = [p.grad.clone() for p in self.model.parameters()]
+
+    def zero_grad(self, set_to_none=True):
+        self.model.zero_grad(set_to_none=set_to_none)
+
+
+def test_accumulated_gradient_equals_the_whole_batch_gradient():
+    script = load_script("04")
+    script.DTYPE = torch.float32  # compare in float32, where summation order is the only difference
+    torch.manual_seed(0)
+    model = create_model(get_preset("tiny"))
+    images, labels = batch(16)
+    gradients = {}
+    for accum_steps in (1, 4):
+        capture = GradientCapture(model)
+        script.train_step(model, capture, images, labels, torch.device("cpu"), accum_steps)
+        gradients[accum_steps] = capture.gradients
+    for whole, accumulated in zip(gradients[1], gradients[4]):
+        torch.testing.assert_close(accumulated, whole, rtol=1e-5, atol=1e-7)
+
+
+def test_accumulation_keeps_the_optimizer_steps_of_one_epoch(tmp_path):
+    steps = {name: run_script(name, ["--epochs", "1"], tmp_path)[0]["steps"] for name in ("03", "04")}
+    assert steps["03"] == steps["04"] == 1257 // 32
+
+
+def test_sgd_keeps_no_state_and_cosine_ends_at_zero(tmp_path):
+    record, meter = run_script("05", ["--epochs", "1", "--max-steps", "5"], tmp_path)
+    assert isinstance(meter.optimizer, torch.optim.SGD)
+    assert all(not state for state in meter.optimizer.state.values())
+    assert record["breakdown_bytes"]["optimizer_state"] == 0
+    # CosineAnnealingLR with T_max = optimizer steps: after the last step it is at eta_min = 0
+    assert record["final_lr"] == pytest.approx(0.0, abs=1e-12)
+
+
+def test_on_device_init_never_creates_a_float32_parameter(tmp_path, monkeypatch):
+    created = {}
+    original_new = torch.nn.Parameter.__new__
+
+    def recording_new(cls, data=None, requires_grad=True):
+        created.setdefault(current, set()).add(data.dtype)
+        return original_new(cls, data, requires_grad)
+
+    monkeypatch.setattr(torch.nn.Parameter, "__new__", recording_new)
+    records = {}
+    for current in ("05", "06"):
+        records[current], _ = run_script(current, QUICK, tmp_path)
+    assert torch.float32 in created["05"]  # the check can see a float32 parameter
+    assert created["06"] == {torch.bfloat16}
+    assert records["06"]["init_peak_memory_bytes"] < records["05"]["init_peak_memory_bytes"]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--batch-size", "30", "--accum-steps", "4"], "not divisible by --accum-steps"),
+    (["--device", "cuda"], "no CUDA device"),
+    (["--batch-size", "0"], "must be positive"),
+    (["--lr", "-1"], "must be positive"),
+    (["--epochs", "two"], "expected a whole number"),
+    (["--preset", "huge"], "invalid choice"),
+])
+def test_bad_input_gets_a_message_that_says_why(argv, message, capsys):
+    if "cuda" in argv and torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    with pytest.raises(SystemExit) as stop:
+        load_script("04").main(argv)
+    assert stop.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_article_preset_offline_fails_at_once_naming_what_and_pointing_to_tiny(monkeypatch):
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr(hub, "hub_reachable", lambda timeout=3.0: False)
+    with pytest.raises(SystemExit) as stop:
+        load_script("01").main(["--preset", "article", "--results-dir", "unused"])
+    message = str(stop.value.code)
+    assert "uoft-cs/cifar10" in message and "--preset tiny" in message
+
+
+def test_hub_check_answers_quickly_when_nothing_listens(monkeypatch):
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # discard port: refused at once
+    assert hub.hub_reachable(timeout=2.0) is False

@@ -1,0 +1,190 @@
+"""The tour: the report built from recorded JSON, and the command that runs and collects steps."""
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import matplotlib.image
+import pytest
+
+from common import tour
+from common.charts import estimate_figure, tour_figure
+from common.tour_records import MIB, load_estimate_rows, load_step_rows
+from common.tour_report import write_report
+from conftest import QUICK, ROOT
+
+FIXTURES = Path(__file__).parent / "fixtures"
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def table_rows(markdown):
+    """The data rows of the first markdown table in `markdown`, as {step: [cells]}."""
+    lines = [line for line in markdown.splitlines() if line.startswith("| ")]
+    cells = [[cell.strip() for cell in line.strip("| ").split(" | ")] for line in lines]
+    return {row[0]: row[1:] for row in cells[2:]}  # after the header and the rule
+
+
+def assert_png(path):
+    """A PNG that matplotlib drew a real chart into: a decent size and far from one flat colour."""
+    assert path.read_bytes()[:8] == PNG_SIGNATURE
+    image = matplotlib.image.imread(path)
+    height, width = image.shape[:2]
+    assert height >= 400 and width >= 600, image.shape
+    assert image[..., :3].std() > 0.1  # blank or near-blank images have almost no spread
+
+
+@pytest.fixture
+def recorded(tmp_path):
+    """A copy of the recorded results: 01 ok, 02 missing fields, 03 failed, 07 on 2 processes,
+    a stale 05 that tour.json does not list, and a GPU estimate."""
+    results = tmp_path / "results"
+    shutil.copytree(FIXTURES / "tour", results)
+    return results
+
+
+def test_report_table_rows_ratios_and_failures(recorded):
+    text = write_report(recorded)
+    table = (recorded / "tour.md").read_text()
+    assert table in text  # what is printed is what is written
+    rows = table_rows(table)
+    assert list(rows) == ["01_baseline", "02_mixed_precision", "03_bf16", "07_fsdp (2 processes)"]
+    # columns: peak, vs 01, parameters, gradients, optimizer state, activations, temporaries,
+    # training time, test accuracy, status
+    assert rows["01_baseline"][:2] == ["28.43", "1.00x"] and rows["01_baseline"][-1] == "ok"
+    assert rows["02_mixed_precision"][1] == "0.82x"  # 24,395,864 / 29,811,660 bytes
+    assert rows["02_mixed_precision"][6] == "n/a" and rows["02_mixed_precision"][8] == "n/a"
+    assert rows["07_fsdp (2 processes)"][:2] == ["5.00", "0.18x"]
+    failed = rows["03_bf16"]
+    assert failed[:-1] == ["n/a"] * 9
+    assert failed[-1] == "failed: exit status 1: RuntimeError: bfloat16 \\| not supported here"
+    assert '  File "03_bf16.py", line 80, in <module>' in table  # the stderr lines, below the table
+
+
+def test_report_estimate_table_marks_the_studys_figures(recorded):
+    write_report(recorded)
+    rows = table_rows((recorded / "estimate.md").read_text())
+    assert rows["01_baseline"] == ["batch 64", "25.10", "26.50", "26.84", "0.99"]
+    assert rows["02_mixed_precision"][2:] == ["n/a", "18.21", "n/a"]  # no reserved figure recorded
+    assert rows["04_grad_accum"][:1] == ["batch 16, 4 micro-batches"]
+    assert rows["07_fsdp"][-2:] == ["n/a", "n/a"]  # the study has no 4-GPU figure for this setting
+    assert "03_bf16 at batch 64: 13.82 GB" in (recorded / "estimate.md").read_text()
+
+
+def test_report_writes_valid_charts(recorded):
+    write_report(recorded)
+    assert_png(recorded / "tour.png")
+    assert_png(recorded / "estimate.png")
+    assert not list(recorded.glob("*.tmp"))
+
+
+def test_memory_bars_stack_to_each_peak(recorded):
+    rows = load_step_rows(recorded)
+    memory_ax = tour_figure(rows).axes[0]
+    stacked_top = {}
+    for bar in memory_ax.patches:
+        x = round(bar.get_x() + bar.get_width() / 2)
+        stacked_top[x] = max(stacked_top.get(x, 0), bar.get_y() + bar.get_height())
+    assert stacked_top[0] == pytest.approx(rows[0].peak_bytes / MIB)  # 01: a full breakdown
+    assert stacked_top.get(2, 0) == 0  # 03 failed: no bar
+
+
+def test_estimate_chart_marks_only_published_settings(recorded):
+    estimates, _ = load_estimate_rows(recorded)
+    study_bars = [bar for bar in estimate_figure(estimates).axes[0].patches if bar.get_hatch()]
+    assert sorted(round(bar.get_height(), 2) for bar in study_bars) == [3.91, 5.69, 18.21, 26.84]
+
+
+def test_report_without_tour_json_or_estimate(recorded):
+    (recorded / "tour.json").unlink()
+    (recorded / "estimate.json").unlink()
+    (recorded / "06_on_device_init.json").write_text('{"script": "06_on_dev')  # cut short
+    text = write_report(recorded)
+    rows = table_rows((recorded / "tour.md").read_text())
+    assert list(rows) == ["01_baseline", "02_mixed_precision", "05_sgd_cosine",
+                          "06_on_device_init", "07_fsdp (2 processes)"]
+    assert rows["06_on_device_init"][-1].startswith("failed: unreadable 06_on_device_init.json")
+    assert "GPU estimate chart skipped: no estimate.json" in text
+    assert not (recorded / "estimate.png").exists()
+    assert_png(recorded / "tour.png")
+
+
+def fake_estimate_step(results_dir):
+    command = [sys.executable, str(FIXTURES / "fake_estimate.py"), "--results-dir",
+               str(results_dir)]
+    return tour.Step("estimate", command, "estimate.json", "estimate")
+
+
+def test_tour_shows_failed_steps_and_runs_the_rest(tmp_path, monkeypatch, capfd):
+    results, docs = tmp_path / "results", tmp_path / "docs"
+    results.mkdir()
+    # a previous run's files: a record for a step that will now fail, and its table
+    (results / "03_writes_nothing.json").write_text('{"script": "03_writes_nothing", "steps": 9}')
+    (results / "tour.md").write_text("stale table\n")
+    monkeypatch.setattr(tour, "estimate_step", fake_estimate_step)
+
+    status = tour.main(["--results-dir", str(results), "--max-steps", "2", "--publish", str(docs)],
+                       scripts_dir=FIXTURES / "fake_steps")
+
+    assert status == 1
+    output = capfd.readouterr()
+    positions = [output.out.index(f"[{n}/5] {name} ...") for n, name in enumerate(
+        ["01_writes_record.py", "02_crashes.py", "03_writes_nothing.py", "07_distributed.py",
+         "estimate"], 1)]
+    assert positions == sorted(positions)
+    assert "RuntimeError: broken on purpose" in output.err  # stderr streamed through
+    rows = table_rows((results / "tour.md").read_text())
+    assert list(rows) == ["01_writes_record", "02_crashes", "03_writes_nothing",
+                          "07_distributed (2 processes)"]
+    assert rows["01_writes_record"][-1] == "ok"
+    assert rows["02_crashes"][-1] == "failed: exit status 1: RuntimeError: broken on purpose"
+    assert rows["03_writes_nothing"][-1] == "failed: exit status 0 but no 03_writes_nothing.json"
+    assert not (results / "03_writes_nothing.json").exists()  # the stale record is gone
+    assert rows["07_distributed (2 processes)"][:2] == ["1.00", "0.50x"]
+    assert "Quick run (--max-steps 2)" in (results / "tour.md").read_text()
+    for name in ["tour.md", "tour.png", "estimate.md", "estimate.png"]:
+        assert (docs / name).read_bytes() == (results / name).read_bytes()
+    assert [path.name for path in results.iterdir() if path.name.startswith(".")] == []
+
+
+def test_tour_rejects_unknown_steps(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        tour.main(["--steps", "01", "42"])
+    assert exit_info.value.code == 2
+    assert "--steps: no script '42' here; the steps are: 01_baseline" in capsys.readouterr().err
+
+
+def test_tour_runs_two_real_steps(tmp_path):
+    results = tmp_path / "results"
+    command = [sys.executable, "-m", "common.tour", "--steps", "01", "3", *QUICK,
+               "--skip-estimate", "--results-dir", str(results)]
+    run = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=150)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "[1/2] 01_baseline.py ..." in run.stdout and "[2/2] 03_bf16.py ok" in run.stdout
+    assert sorted(path.name for path in results.iterdir()) == [
+        "01_baseline.json", "03_bf16.json", "tour.json", "tour.md", "tour.png"]
+    table = (results / "tour.md").read_text()
+    assert table in run.stdout  # the table is printed
+    rows = table_rows(table)
+    assert list(rows) == ["01_baseline", "03_bf16"]
+    assert rows["01_baseline"][1] == "1.00x" and rows["03_bf16"][-1] == "ok"
+    assert float(rows["03_bf16"][1].rstrip("x")) < 0.75  # bfloat16 halves most of the memory
+    assert "GPU memory prediction: skipped (--skip-estimate)" in table
+    assert_png(results / "tour.png")
+
+
+def test_error_excerpt_finds_the_childs_error_under_torchrun():
+    stderr = (FIXTURES / "torchrun_stderr.txt").read_text().splitlines()  # 2 ranks, then torchrun
+    error_line, lines = tour.error_excerpt(stderr)
+    assert error_line == "ValueError: broken on purpose in rank 1"  # not ChildFailedError
+    assert lines[-1] == error_line and len(lines) <= tour.ERROR_LINES
+    assert "ValueError: broken on purpose in rank 0" in lines
+
+
+def test_error_excerpt_keeps_a_message_of_several_lines():
+    stderr = ["Traceback (most recent call last):", '  File "06_on_device_init.py", line 9',
+              "[rank0]: common.hub.HubUnavailable: could not fetch the model",
+              "  Run offline with the default preset instead:  --preset tiny", "",
+              "E1121 23:17:57.048000 4141 api.py:1002] failed (exitcode: 1)"]
+    error_line, lines = tour.error_excerpt(stderr)
+    assert error_line == "common.hub.HubUnavailable: could not fetch the model"
+    assert lines[-1] == "  Run offline with the default preset instead:  --preset tiny"
