@@ -69,3 +69,27 @@ def parse_args(description, argv=None, accum_steps=None):
                      "predict GPU memory without a GPU")
     args.device = torch.device(args.device)
     return args
+
+
+def check_batch_split(args, world_size):
+    """Exit with a message unless every process gets --accum-steps micro-batches of equal size.
+
+    Each process takes an equal slice of every batch; a process with fewer micro-batches than
+    the others would wait forever in a collective they never join. Every process runs this
+    same check on the same numbers, so all of them stop together.
+    """
+    micro_batches_per_step = world_size * args.accum_steps
+    if world_size > args.batch_size:
+        problem = (f"{world_size} processes share batches of {args.batch_size} (--batch-size): "
+                   "some processes would get no sample at all")
+    elif args.batch_size % micro_batches_per_step:
+        problem = (f"--batch-size {args.batch_size} does not split into {world_size} processes x "
+                   f"{args.accum_steps} micro-batches (--accum-steps) of equal size")
+        if args.batch_size % world_size == 0:
+            problem += (f": each process gets {args.batch_size // world_size} samples, "
+                        f"not divisible by {args.accum_steps}")
+    else:
+        return
+    raise SystemExit(f"error: {problem}.\n  Use a --batch-size divisible by processes x "
+                     f"--accum-steps ({micro_batches_per_step} here), fewer processes, "
+                     "or another --accum-steps.")

@@ -38,8 +38,9 @@ def report(args, script, memory, init_peak_bytes, train_seconds, test_accuracy, 
     print(f"\n== {record['script']}  (preset {args.preset}, {args.device.type}, "
           f"{world_size} process{'es' if world_size > 1 else ''}) ==")
     print(f"peak memory of training  {mib(memory['peak_memory_bytes'])}")
-    if len(memory.get("rank_peak_memory_bytes", [])) > 1:  # the highest is the one above
-        print(f"  per process: {' | '.join(mib(peak) for peak in memory['rank_peak_memory_bytes'])}")
+    rank_peaks = memory.get("rank_peak_memory_bytes", [])
+    if len(rank_peaks) > 1:  # the highest is the one above
+        print(f"  per process: {' | '.join(mib(peak) for peak in rank_peaks)}")
     print(f"  at the peak: {breakdown}")
     if "cuda_max_reserved_bytes" in memory:
         print(f"  CUDA reserved          {mib(memory['cuda_max_reserved_bytes'])}")

@@ -1,0 +1,233 @@
+"""Steps 07-09 with two processes on CPU (gloo): sharding, offload and checkpointing as claimed.
+
+Each training run starts two processes under torchrun, in float32, through tests/fsdp_probe.py,
+which notes what every process holds; a run is shared by the tests that read it. The bad-input
+tests start the two processes themselves, with the environment torchrun gives its workers, to
+see each one's exit code and message. Every test that starts processes has a timeout, and a run
+that outlives its own is killed with all its processes.
+"""
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import ROOT, load_script, run_script, script_path
+
+RUN = ["--epochs", "1", "--max-steps", "3"]  # two tracked steps (the peak) and one more
+WORLD_SIZE = 2
+LAUNCH_TIMEOUT = 150  # seconds for one group of processes; far above a normal run
+PROBED_TEST_TIMEOUT = 2 * LAUNCH_TIMEOUT + 60  # a test may start two runs (08 and 09)
+LOSS_TOLERANCE = dict(rtol=1e-5, atol=1e-6)  # float32; only the order of sums differs
+
+
+def stop(process):
+    """End a process we started and everything it started: torchrun ends its workers on SIGTERM."""
+    if process.poll() is None:
+        os.killpg(process.pid, signal.SIGTERM)
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+
+
+def run_to_end(command, env=None, timeout=LAUNCH_TIMEOUT):
+    """Run `command` from the repository's root; returns (exit code, output). Fails on a hang."""
+    process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        output, _ = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"still running after {timeout} s, so killed: {' '.join(map(str, command))}")
+    finally:
+        stop(process)  # also when pytest-timeout interrupts the wait
+    return process.returncode, output
+
+
+class ProbedRun:
+    """One torchrun run of a step in float32: its JSON record and what each process noted."""
+
+    def __init__(self, out_dir):
+        self.record = json.loads(next((out_dir / "results").glob("*.json")).read_text())
+        self.ranks = [json.loads((out_dir / f"rank{rank}.json").read_text())
+                      for rank in range(WORLD_SIZE)]
+        self.gradients = [torch.load(out_dir / f"grads_rank{rank}.pt")  # of the third step
+                          for rank in range(WORLD_SIZE)]
+
+
+@pytest.fixture(scope="module")
+def probed_runs(tmp_path_factory):
+    """probed_runs("07") runs 07 once per test module, on first use."""
+    runs = {}
+
+    def run(name):
+        if name not in runs:
+            out_dir = tmp_path_factory.mktemp(f"run{name}")
+            command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                       f"--nproc_per_node={WORLD_SIZE}", "tests/fsdp_probe.py", out_dir, name,
+                       *RUN, "--results-dir", out_dir / "results"]
+            code, output = run_to_end(command)
+            assert code == 0, output
+            runs[name] = ProbedRun(out_dir)
+        return runs[name]
+    return run
+
+
+def one_process_fp32(name, results_dir):
+    """A step run as one plain process, in this one, in float32; returns its record."""
+    script = load_script(name)
+    script.DTYPE = torch.float32
+    return run_script(name, RUN, results_dir, module=script)[0]
+
+
+@pytest.fixture(scope="module")
+def unsharded(tmp_path_factory):
+    """06 in float32 as one process: the same step on one device, without sharding."""
+    return one_process_fp32("06", tmp_path_factory.mktemp("run06"))
+
+
+@pytest.mark.timeout(PROBED_TEST_TIMEOUT)
+def test_two_processes_follow_the_loss_of_one_with_the_same_global_batch(probed_runs, unsharded):
+    sharded, single = probed_runs("07").record, unsharded
+    assert sharded["world_size"] == 2 and sharded["steps"] == single["steps"] == 3
+    assert sharded["batch_size"] == single["batch_size"]
+    torch.testing.assert_close(torch.tensor(sharded["losses"]), torch.tensor(single["losses"]),
+                               **LOSS_TOLERANCE)
+    assert len(set(single["losses"])) == 3  # the loss moves, so following it means something
+
+
+@pytest.mark.timeout(PROBED_TEST_TIMEOUT)
+def test_each_process_trains_on_its_own_half_of_every_batch(probed_runs):
+    batches = [run["batches"] for run in probed_runs("07").ranks]
+    assert [len(seen) for seen in batches] == [3, 3]
+    for first, second in zip(*batches):
+        assert first["size"] == second["size"] == 32 // WORLD_SIZE
+        assert first["image_sum"] != second["image_sum"]  # different samples
+
+
+@pytest.mark.timeout(PROBED_TEST_TIMEOUT)
+def test_each_process_holds_about_half_of_every_parameter(probed_runs):
+    runs = probed_runs("07").ranks
+    names = runs[0]["shards"].keys()
+    for name in names:
+        held = [run["shards"][name][0] for run in runs]
+        whole, rows = runs[0]["shards"][name][1:]
+        assert sum(held) == whole, name  # the shards add up to the parameter, no copy twice
+        row = whole // rows
+        assert all(part <= -(-rows // WORLD_SIZE) * row for part in held), (name, held)
+    totals = [sum(run["shards"][name][0] for name in names) for run in runs]
+    whole_model = sum(runs[0]["shards"][name][1] for name in names)
+    assert all(abs(total - whole_model / 2) < 0.01 * whole_model for total in totals), totals
+
+
+@pytest.mark.timeout(PROBED_TEST_TIMEOUT)
+def test_the_record_carries_every_process_peak_and_the_highest(probed_runs):
+    record = probed_runs("07").record
+    peaks = record["rank_peak_memory_bytes"]
+    assert len(peaks) == 2 and all(peak > 0 for peak in peaks)
+    assert record["peak_memory_bytes"] == max(peaks)
+    assert sum(record["breakdown_bytes"].values()) == record["peak_memory_bytes"]
+    assert record["breakdown_bytes"]["optimizer_state"] == 0  # plain SGD keeps none
+
+
+@pytest.mark.timeout(300)
+def test_plain_python_runs_as_one_process(unsharded, tmp_path):
+    record = one_process_fp32("07", tmp_path)
+    assert not torch.distributed.is_initialized()  # the group of one is gone again
+    assert record["world_size"] == 1
+    assert record["rank_peak_memory_bytes"] == [record["peak_memory_bytes"]]
+    torch.testing.assert_close(torch.tensor(record["losses"]), torch.tensor(unsharded["losses"]),
+                               **LOSS_TOLERANCE)
+
+
+@pytest.mark.timeout(PROBED_TEST_TIMEOUT)
+def test_offload_keeps_parameters_gradients_and_optimizer_state_on_cpu(probed_runs):
+    pinned = torch.cuda.is_available()  # pinned memory only where CUDA copies from it
+    for run in probed_runs("08").ranks:
+        assert run["offload"] == [[True, pinned]]  # every parameter, as FSDP holds it
+        assert all(seen == {"parameters": ["cpu"], "optimizer_state": []}  # SGD: no state
+                   for seen in run["between_steps"])
+        assert len(run["between_steps"]) == 3
+        assert all(seen["gradients"] == ["cpu"] and seen["gradient_count"] == len(run["shards"])
+                   for seen in run["in_optimizer_step"])
+    for run in probed_runs("07").ranks:  # the same probe sees 07 not offloading
+        assert run["offload"] == [[False, False]]
+
+
+@pytest.mark.timeout(PROBED_TEST_TIMEOUT)
+def test_offload_trains_like_sharding_alone(probed_runs):
+    torch.testing.assert_close(torch.tensor(probed_runs("08").record["losses"]),
+                               torch.tensor(probed_runs("07").record["losses"]), **LOSS_TOLERANCE)
+
+
+def without_wrapper(gradients):
+    """Parameter names as they are without 09's CheckpointedBlock (which adds `.block`)."""
+    return {name.replace(".block.", "."): gradient for name, gradient in gradients.items()}
+
+
+@pytest.mark.timeout(PROBED_TEST_TIMEOUT)
+def test_checkpointing_leaves_gradients_and_losses_exactly_as_they_were(probed_runs):
+    """Bit for bit in float32: the rerun computes the very same activations."""
+    plain, checkpointed = probed_runs("08"), probed_runs("09")
+    assert any(".block." in name for name in checkpointed.gradients[0])  # wrapped
+    for before, after in zip(plain.gradients, checkpointed.gradients):
+        after = without_wrapper(after)
+        assert before.keys() == after.keys()
+        assert any(gradient.abs().sum() > 0 for gradient in before.values())
+        for name, gradient in before.items():
+            assert torch.equal(after[name], gradient), name
+    assert checkpointed.record["losses"] == plain.record["losses"]
+
+
+@pytest.mark.timeout(PROBED_TEST_TIMEOUT)
+def test_checkpointing_lowers_the_activations_at_the_peak(probed_runs):
+    plain, checkpointed = probed_runs("08").record, probed_runs("09").record
+    activations = [record["breakdown_bytes"]["activations"] for record in (plain, checkpointed)]
+    assert activations[1] < activations[0], activations
+    assert checkpointed["peak_memory_bytes"] < plain["peak_memory_bytes"]
+
+
+def free_port():
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def start_ranks(script, argv, world_size):
+    """Start `world_size` processes of `script` with the environment torchrun gives its workers."""
+    port = free_port()
+    processes = []
+    for rank in range(world_size):
+        env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank),
+               "WORLD_SIZE": str(world_size), "LOCAL_WORLD_SIZE": str(world_size),
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
+        processes.append(subprocess.Popen(
+            [sys.executable, script_path(script), *argv], cwd=ROOT, env=env,
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True))
+    return processes
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("argv, message", [
+    (["--batch-size", "1", "--accum-steps", "1"], "2 processes share batches of 1 (--batch-size)"),
+    (["--batch-size", "8", "--accum-steps", "8"], "gets 4 samples, not divisible by 8"),
+])
+def test_bad_split_stops_every_process_with_a_message(argv, message, tmp_path):
+    processes = start_ranks("07", [*argv, "--results-dir", str(tmp_path)], WORLD_SIZE)
+    try:
+        outputs = [process.communicate(timeout=60) for process in processes]  # fails in ~10 s
+    except subprocess.TimeoutExpired:
+        pytest.fail("a process still waits: the bad split hangs instead of stopping")
+    finally:
+        for process in processes:
+            stop(process)
+    for rank, (process, (stdout, stderr)) in enumerate(zip(processes, outputs)):
+        assert process.returncode == 1, (rank, stderr)
+        assert message in stderr and "--batch-size" in stderr, (rank, stderr)
+        assert "Traceback" not in stderr, (rank, stderr)  # a message, not a crash
+    assert not list(tmp_path.iterdir())  # nothing trained, nothing recorded
