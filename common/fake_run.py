@@ -1,0 +1,255 @@
+"""Run a numbered script's own `main()` on fake tensors, under its own memory meter.
+
+Fake tensors (PyTorch's FakeTensorMode) carry shapes, dtypes and devices but no data: a ViT-L
+step runs in seconds and allocates nothing. The script is loaded afresh under a private module
+name, and on that module object only the helpers it imports by name that need data, a network,
+other processes or a screen are replaced: `load_data` (batches of the preset's shapes),
+`create_model` (the preset's architecture, no weights), `evaluate` (skipped), `Progress`
+(silent), `MemoryMeter` (the script's own meter, its result kept on this rank),
+`measure_creation` (not measured), `report` (kept, not printed) and `init_distributed` (a fake
+process group of N ranks). Precision, autocast, loss scaling, accumulation, optimizer,
+scheduler, sharding, offload and checkpointing are the script's own code.
+
+The host side of the run (batches, and the model of steps 01-05 before `.to(device)`) lives on
+the meta device when a GPU is emulated, so that `.to(device)` copies as it does onto a GPU; the
+fake CPU tensors are the GPU. Values a step reads back on the host (`.item()`) that fake tensors
+do not know read as 0: a gradient scaler never finds an overflow, and every step is taken.
+"""
+import argparse
+import importlib.util
+import io
+import os
+import sys
+import types
+from contextlib import ExitStack, contextmanager, nullcontext, redirect_stderr
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
+
+from common import gpu_model
+from common.data import Data
+from common.fake_torch import (FakeModeReadingZeros, device_meshes_made_for_real,
+                               sharding_propagation_apart, swappable_fake_parameters,
+                               with_global_peak_only)
+from common.memory import MemoryMeter
+from common.memory_trace import AllocationTrace
+from common.model import vit_config
+
+QUICK_RUN = ["--max-steps", "2", "--epochs", "1"]  # a run's peak falls within two optimizer steps
+COMPUTE_DEVICE = torch.device("cpu")  # fake tensors stand for GPU memory here (see gpu_model.py)
+HOST_DEVICE = torch.device("meta")  # fake host memory, so that `.to(device)` copies as on a GPU
+# training samples per preset's data set, as common/data.py splits them
+TRAIN_SAMPLES = {"digits": 1797 - 360 - 180, "uoft-cs/cifar10": 50000 - 5000}
+
+
+class EstimateError(Exception):
+    """A run that cannot be estimated: the message says what was wrong and what to do."""
+
+
+@dataclass
+class FakeRun:
+    """What one fake run of a script saw: its settings, its meter's result, the allocation order."""
+    script: str
+    emulate_cuda: bool
+    record: dict = None  # what the script passed to report()
+    meter_result: dict = None
+    trace: AllocationTrace = field(default_factory=AllocationTrace)
+    offloaded: bool = False  # FSDP keeps the sharded state in host memory (CPUOffloadPolicy)
+
+
+class FakeLoader:
+    """Batches of the preset's shapes, made when asked for, as many as a real epoch has."""
+
+    def __init__(self, preset, batch_size, samples, host, rank=0, world_size=1):
+        self.batches = samples // batch_size
+        # each process takes every world_size-th sample of a global batch (common/data.py)
+        self.shape = (len(range(rank, batch_size, world_size)), 3, preset.image_size,
+                      preset.image_size)
+        self.host = host
+
+    def __len__(self):
+        return self.batches
+
+    def __iter__(self):
+        for _ in range(self.batches):
+            yield (torch.empty(self.shape, device=self.host),
+                   torch.zeros(self.shape[0], dtype=torch.int64, device=self.host))
+
+
+def silent_progress_class():
+    class SilentProgress:
+        def __init__(self, total_steps, lines=20):
+            self.total_steps = total_steps
+
+        def step(self, step, epoch, loss):
+            pass
+
+        def epoch(self, epoch, epochs, val_accuracy):
+            pass
+
+        def loss_values(self):
+            return []
+    return SilentProgress
+
+
+def materialise_fake(model, device):
+    """Give every parameter and buffer of a meta-device model an (empty) fake tensor on `device`."""
+    for module in model.modules():
+        for name, param in module._parameters.items():
+            if param is not None:
+                module._parameters[name] = torch.nn.Parameter(
+                    torch.empty(param.shape, dtype=param.dtype, device=device),
+                    requires_grad=param.requires_grad)
+        for name, buffer in module._buffers.items():
+            if buffer is not None:
+                module._buffers[name] = torch.empty(buffer.shape, dtype=buffer.dtype, device=device)
+    return model
+
+
+def stand_ins(run, world_size):
+    """The replacements for the helpers a script imports by name, keyed by that name."""
+    host = HOST_DEVICE if run.emulate_cuda else COMPUTE_DEVICE
+    attention = gpu_model.GPU_ATTENTION if run.emulate_cuda else "sdpa"
+
+    def load_data(preset, batch_size, seed=0, rank=0, world_size=1):
+        if preset.dataset not in TRAIN_SAMPLES:
+            raise EstimateError(f"no sample count known for the data set {preset.dataset!r}; "
+                                f"add it to TRAIN_SAMPLES in {Path(__file__).name}")
+        samples = TRAIN_SAMPLES[preset.dataset]
+        if batch_size > samples:
+            raise EstimateError(f"--batch-size {batch_size} is larger than the {samples} training "
+                                f"samples of preset {preset.name!r}: no step would run")
+        loader = FakeLoader(preset, batch_size, samples, host, rank, world_size)
+        return Data(train=loader, val=loader, test=loader)
+
+    def create_model(preset, device=None, dtype=torch.float32):
+        # no device: the real helper's default, the host (steps 01-05 then call .to(device));
+        # a device: the run's own (steps 06 on create the model on it)
+        from transformers import ViTForImageClassification
+        if run.emulate_cuda:
+            gpu_model.register_gpu_attention()
+        with torch.device("meta"):  # initialisers read values: build on meta, then swap in fakes
+            model = ViTForImageClassification._from_config(
+                vit_config(preset), dtype=dtype, attn_implementation=attention)
+        return materialise_fake(model, host if device is None else COMPUTE_DEVICE)
+
+    class FakeRunMeter(MemoryMeter):
+        """The script's meter; its result stays on this rank (all fake ranks are alike)."""
+
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            run.offloaded = run.offloaded or offloads_to_host(self.model)
+            make_tracker = self.tracker_factory
+            self.tracker_factory = lambda *made_of: with_global_peak_only(make_tracker(*made_of))
+
+        def result(self):
+            run.meter_result = {"peak_memory_bytes": self.peak_bytes,
+                                "breakdown_bytes": dict(self.breakdown)}
+            return run.meter_result
+
+    @contextmanager
+    def measure_creation(device):
+        yield types.SimpleNamespace(peak_bytes=0)
+
+    def report(args, script, memory, init_peak_bytes, train_seconds, test_accuracy, steps,
+               world_size=1, **extra):
+        run.record = {"preset": args.preset, "world_size": world_size,
+                      "batch_size": args.batch_size, "accum_steps": args.accum_steps,
+                      "steps": steps}
+        return run.record
+
+    def init_distributed(device):
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+        return 0, world_size, device
+
+    return {"load_data": load_data, "create_model": create_model,
+            "evaluate": lambda *args, **kwargs: float("nan"),
+            "Progress": silent_progress_class(), "MemoryMeter": FakeRunMeter,
+            "measure_creation": measure_creation, "report": report,
+            "init_distributed": init_distributed}
+
+
+def offloads_to_host(model):
+    """True when an FSDP2 module of `model` keeps its shards in host memory."""
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            group = module._get_fsdp_state()._fsdp_param_group
+            if group is not None and isinstance(group.offload_policy, CPUOffloadPolicy):
+                return True
+    return False
+
+
+def load_script(script_path):
+    """A fresh module object of the script, under a name no import uses."""
+    path = Path(script_path)
+    spec = importlib.util.spec_from_file_location(f"_estimated_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def wants_cuda_emulation(argv):
+    """--device cpu asks for the CPU itself (no GPU emulation); anything else predicts a GPU."""
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--device", default="auto")
+    known, _ = parser.parse_known_args(argv)
+    return known.device != "cpu"
+
+
+def without_estimate_flag(argv):
+    return [arg for arg in argv if arg != "--estimate"]
+
+
+def run_on_fake_tensors(script_path, argv, world_size=1):
+    """Run the script's main(argv) for two optimizer steps on fake tensors; returns a FakeRun.
+
+    `argv` are the script's own flags; `world_size` is the number of processes a distributed
+    script would run in (the fake process group's size).
+    """
+    emulate_cuda = wants_cuda_emulation(argv)
+    run = FakeRun(script=Path(script_path).stem, emulate_cuda=emulate_cuda)
+    module = load_script(script_path)
+    for name, stand_in in stand_ins(run, world_size).items():
+        if hasattr(module, name):
+            setattr(module, name, stand_in)
+    script_argv = [*without_estimate_flag(argv), *QUICK_RUN, "--device", "cpu"]
+    fake_mode = FakeModeReadingZeros(allow_non_fake_inputs=True)
+    with ExitStack() as stack:
+        stack.enter_context(fake_mode)
+        stack.enter_context(swappable_fake_parameters(fake_mode))
+        stack.enter_context(device_meshes_made_for_real())
+        stack.enter_context(sharding_propagation_apart())
+        stack.enter_context(gpu_model.cuda_optimizer_defaults() if emulate_cuda else nullcontext())
+        stack.enter_context(run.trace.recording())
+        messages = io.StringIO()
+        try:
+            with redirect_stderr(messages):
+                module.main(script_argv)
+        except SystemExit as stop:  # the script's own checks (argparse, batch split) end this way
+            # the script's own message; argparse prints its usage, then the error, to stderr
+            said = (stop.code if isinstance(stop.code, str)
+                    else (messages.getvalue().strip().splitlines() or ["the script stopped"])[-1])
+            raise EstimateError(said.removeprefix("error: ").split(": error: ")[-1]) from None
+        finally:
+            if dist.is_available() and dist.is_initialized():
+                dist.destroy_process_group()
+        sys.stderr.write(messages.getvalue())  # the warnings of a run that went through
+    if run.record is None or run.meter_result is None:
+        raise EstimateError(f"{run.script} ran without reporting a result: it must measure its "
+                            "steps with MemoryMeter and end with report(), as the numbered scripts do")
+    if not run.trace.events:
+        raise EstimateError(f"{run.script}'s MemoryMeter tracked nothing: its tracker_factory must "
+                            "make a MemTracker (or FSDPMemTracker), whose counts the estimate reads")
+    return run
+
+
+def world_size_from_environment():
+    """The process count a launcher would give (torchrun sets WORLD_SIZE), else 1."""
+    value = os.environ.get("WORLD_SIZE", "1")
+    if not value.isdigit() or int(value) < 1:
+        raise EstimateError(f"WORLD_SIZE={value!r} is not a positive whole number of processes")
+    return int(value)

@@ -1,0 +1,142 @@
+"""What PyTorch 2.13 needs to run a training step on fake tensors and track its memory.
+
+Each piece works around one place where fake tensors behave unlike real ones, or where
+MemTracker's bookkeeping costs more than the estimate needs; each says why it is harmless.
+"""
+import functools
+import weakref
+from contextlib import contextmanager
+
+import torch
+from torch._subclasses.fake_tensor import _DISPATCH_META_HANDLERS, FakeTensor, FakeTensorMode
+
+DEVICE_QUERY = torch.ops.prim.device.default
+
+
+class FakeModeReadingZeros(FakeTensorMode):
+    """FakeTensorMode in which reading back a value it does not know (`.item()`) gives 0.
+
+    Values it knows, it gives: scalars made from Python numbers, such as the optimizers' step
+    counters, are tracked as constants through the ops on them.
+    """
+
+    def dispatch(self, func, types, args=(), kwargs=None):
+        if (func is torch.ops.aten._local_scalar_dense.default
+                and getattr(args[0], "constant", None) is None):
+            return torch.zeros((), dtype=args[0].dtype).item()
+        return super().dispatch(func, types, args, kwargs)
+
+
+@contextmanager
+def swappable_fake_parameters(fake_mode):
+    """Let `Module.to()` swap fake parameters, as it swaps real ones.
+
+    `Module._apply` swaps a FakeTensor parameter for its converted copy with swap_tensors, which
+    refuses tensors that have weak references; the fake mode's memo of views holds one on every
+    parameter, so `model.to(dtype)` fails with "Cannot swap t1 because it has weakref". Dropping
+    those memo entries first is harmless: the memo only saves re-converting the same tensor.
+    """
+    original = torch.utils.swap_tensors
+    memo = fake_mode.fake_tensor_converter.tensor_memo
+
+    def swap_tensors(first, second):
+        # the memo's references are KeyedRefs; keep no reference to them, or they stay alive
+        keys = [ref.key for tensor in (first, second) for ref in weakref.getweakrefs(tensor)
+                if isinstance(ref, weakref.KeyedRef)]
+        for key in keys:
+            memo.pop(key, None)
+        return original(first, second)
+
+    torch.utils.swap_tensors = swap_tensors
+    try:
+        yield
+    finally:
+        torch.utils.swap_tensors = original
+
+
+@contextmanager
+def device_meshes_made_for_real():
+    """Let fully_shard() build its default DeviceMesh from real tensors inside the fake run.
+
+    A DeviceMesh computes each rank's coordinates with data-dependent operators, which fake
+    tensors cannot run; the mesh holds no model memory, so it is made outside the fake mode.
+    """
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torch.distributed.fsdp._fully_shard import _fully_shard
+    original = _fully_shard._init_default_mesh
+
+    def init_default_mesh(*args, **kwargs):
+        with unset_fake_temporarily():
+            return original(*args, **kwargs)
+
+    _fully_shard._init_default_mesh = init_default_mesh
+    try:
+        yield
+    finally:
+        _fully_shard._init_default_mesh = original
+
+
+@contextmanager
+def sharding_propagation_apart():
+    """Let DTensor work out its output shapes in a fake mode of its own, as it does outside one.
+
+    DTensor runs each new operator once on empty tensors of the full, unsharded shape to learn
+    its output's shape; it reuses the fake mode it finds active. Inside the fake run that is the
+    run's own mode, and MemTracker, which skips only ops of another fake mode, would count those
+    full-size tensors as GPU memory (all parameters at once in a foreach optimizer step).
+    """
+    from torch.distributed.tensor import _sharding_prop
+    original = _sharding_prop.detect_fake_mode
+    _sharding_prop.detect_fake_mode = lambda *args, **kwargs: None
+    try:
+        yield
+    finally:
+        _sharding_prop.detect_fake_mode = original
+
+
+def with_global_peak_only(tracker):
+    """The tracker, keeping its overall peak but not each module's.
+
+    After every operator MemTracker updates the peak of every module seen so far, a loop that
+    makes a ViT-L step several times slower; the meter reads only the overall peak, updated here
+    exactly as MemTracker updates it.
+    """
+    tracker.__class__ = global_peak_only_class(type(tracker))
+    return tracker
+
+
+class Snapshot(dict):
+    """MemTracker's {device: {category: bytes}}, copied; deepcopy (of every module's snapshots,
+    on every module call) copies it as fast as a copy of ints can be made."""
+
+    def __init__(self, snapshot):
+        super().__init__((device, dict(stats)) for device, stats in snapshot.items())
+
+    def __deepcopy__(self, memo):
+        return Snapshot(self)
+
+
+@functools.cache
+def global_peak_only_class(tracker_class):
+    class GlobalPeakOnly(tracker_class):
+        def _update_peak_stats(self, peak_state):
+            for device, snapshot in self._curr_mem_snap.items():
+                if self._peak_mem.get(device, 0) < snapshot["Total"]:
+                    self._peak_mem[device] = snapshot["Total"]
+                    self._peak_mem_snap[device] = dict(snapshot)
+
+        def get_tracker_snapshot(self, type="current"):
+            snapshot = self._curr_mem_snap if type == "current" else self._peak_mem_snap
+            return Snapshot(snapshot)
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is DEVICE_QUERY and isinstance(args[0], FakeTensor):
+                # asked of nearly every tensor by autograd and by optimizers' grouping: answer
+                # what FakeTensor would answer, without a second trip through the dispatcher
+                return _DISPATCH_META_HANDLERS[func](args)
+            if func.namespace == "prim":  # other queries about a tensor: no memory either
+                return func(*args, **(kwargs or {}))
+            return super().__torch_dispatch__(func, types, args, kwargs)
+
+    GlobalPeakOnly.__name__ = tracker_class.__name__
+    return GlobalPeakOnly

@@ -1,0 +1,166 @@
+"""The order in which a run's tensor storages appear, change and go, as MemTracker sees them.
+
+MemTracker (and FSDPMemTracker, its subclass) keeps running totals and a peak, not the order of
+events. Predicting a GPU needs the order: to replay it through a model of the caching allocator,
+and to keep host memory apart from device memory. `AllocationTrace.recording()` listens to every
+change MemTracker makes to its running totals (`_update_snap`) while it is open, so the trace
+holds exactly what MemTracker counts, event by event.
+"""
+import itertools
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+from torch.distributed._tools.mem_tracker import MemTracker, _UpdateType
+
+from common.gpu_model import CUBLAS_WORKSPACE_BYTES, CUBLAS_WORKSPACES, CachingAllocatorModel
+from common.memory import fold_breakdown
+
+ALLOC, FREE, RESIZE, LABEL = "alloc", "free", "resize", "label"
+WORKSPACE_CATEGORY = "Temp"  # cuBLAS workspaces are counted with the temporaries
+
+
+class AllocationTrace:
+    """Events `(kind, storage, ...)`: alloc (bytes, device type, category), free, resize (bytes),
+    label (category); `storage` numbers each storage MemTracker tracked, in order of appearance."""
+
+    def __init__(self):
+        self.events = []
+        self._numbers = {}  # id(MemTracker's record of a storage) -> storage number, while alive
+        self._next_number = itertools.count()
+
+    def observe(self, update, record):
+        key = id(record)
+        known = key in self._numbers
+        if update is _UpdateType.ADD or (update is _UpdateType.SIZE and not known):
+            # a storage that first appears, or first grows from zero bytes (MemTracker adds none)
+            number = self._numbers[key] = next(self._next_number)
+            self.events.append((ALLOC, number, record.mem_consumed, record.device.type,
+                                str(record.reftype.value)))
+        elif not known:
+            return  # tracked before recording began
+        elif update is _UpdateType.DEL:
+            self.events.append((FREE, self._numbers.pop(key)))
+        elif update is _UpdateType.SIZE:
+            self.events.append((RESIZE, self._numbers[key], record.mem_consumed))
+        elif update is _UpdateType.REF:
+            self.events.append((LABEL, self._numbers[key], str(record.reftype.value)))
+
+    @contextmanager
+    def recording(self):
+        """Record every tracker's updates while inside (the run has one tracker at a time)."""
+        original = MemTracker._update_snap
+        trace = self
+
+        def update_snap(tracker, u_type, winfo, old_mem_consumed=None, old_reftype=None):
+            original(tracker, u_type, winfo, old_mem_consumed, old_reftype)
+            trace.observe(u_type, winfo)
+
+        MemTracker._update_snap = update_snap
+        try:
+            yield self
+        finally:
+            MemTracker._update_snap = original
+
+
+@dataclass
+class Peak:
+    allocated_bytes: int = 0
+    reserved_bytes: int = 0
+    host_bytes: int = 0  # the highest host memory in categories that live there (offload)
+    breakdown_bytes: dict = field(default_factory=dict)
+
+
+class ExactCounter:
+    """Counts bytes as they are requested: MemTracker's own arithmetic (no allocator)."""
+
+    def __init__(self):
+        self.allocated = self.peak_allocated = self.peak_reserved = 0
+
+    def malloc(self, nbytes):
+        self.allocated += nbytes
+        self.peak_allocated = self.peak_reserved = max(self.peak_allocated, self.allocated)
+        return nbytes
+
+    def free(self, nbytes):
+        self.allocated -= nbytes
+
+
+def block_size(block):
+    return block if isinstance(block, int) else block.size
+
+
+def replay(events, device_type, emulate_cuda, host_categories=frozenset()):
+    """The peak that `events` reach on `device_type`, with its breakdown.
+
+    With `emulate_cuda`, requests go through the caching allocator model (rounding, segments,
+    cuBLAS workspaces at the first computed tensor) and storages whose category is in
+    `host_categories` count as host memory; without, bytes are counted as MemTracker counts them.
+    """
+    allocator = CachingAllocatorModel() if emulate_cuda else ExactCounter()
+    storages = {}  # storage -> [bytes, category, block on the device or None]
+    by_category = {}
+    peak, host_now = Peak(), 0
+    workspaces_due = emulate_cuda
+
+    def place(state):
+        nonlocal host_now
+        nbytes, category, _ = state
+        if not nbytes:
+            return
+        if category in host_categories:
+            host_now += nbytes
+            peak.host_bytes = max(peak.host_bytes, host_now)
+            return
+        block = state[2] = allocator.malloc(nbytes)
+        by_category[category] = by_category.get(category, 0) + block_size(block)
+        if allocator.allocated > peak.allocated_bytes:
+            peak.allocated_bytes = allocator.allocated
+            peak.breakdown_bytes = dict(by_category)
+
+    def remove(state):
+        nonlocal host_now
+        nbytes, category, block = state
+        if block is not None:
+            by_category[category] -= block_size(block)
+            allocator.free(block)
+            state[2] = None
+        elif category in host_categories:
+            host_now -= nbytes
+
+    for event in events:
+        kind, storage = event[0], event[1]
+        if kind == ALLOC:
+            nbytes, event_device, category = event[2:]
+            if event_device != device_type:
+                continue  # e.g. the host-side batch, before it is copied to the device
+            if workspaces_due and category not in ("Parameter", "Buffer", "Sharded Param"):
+                for _ in range(CUBLAS_WORKSPACES):
+                    place([CUBLAS_WORKSPACE_BYTES, WORKSPACE_CATEGORY, None])
+                workspaces_due = False
+            state = storages[storage] = [nbytes, category, None]
+            place(state)
+            continue
+        state = storages.get(storage)
+        if state is None:
+            continue  # a storage on another device
+        if kind == FREE:
+            remove(storages.pop(storage))
+        elif kind == RESIZE:  # resize_ allocates the new size before it frees the old one
+            grown = storages[storage] = [event[2], state[1], None]
+            place(grown)
+            remove(state)
+        elif kind == LABEL:  # MemTracker re-files a storage (e.g. a gradient first seen as Temp)
+            category = event[2]
+            if (category in host_categories) != (state[1] in host_categories):
+                remove(state)  # offload: it moves between host and device
+                state[1] = category
+                place(state)
+            elif state[2] is not None:
+                by_category[state[1]] -= block_size(state[2])
+                by_category[category] = by_category.get(category, 0) + block_size(state[2])
+                state[1] = category
+            else:
+                state[1] = category
+    peak.reserved_bytes = allocator.peak_reserved
+    peak.breakdown_bytes = fold_breakdown(peak.breakdown_bytes)
+    return peak

@@ -1,0 +1,225 @@
+"""The GPU memory estimate: its fake run is the real run, and its answers have the right shape.
+
+The key test: on the tiny preset with no GPU emulation (--device cpu) the estimate equals the
+peak the real run of the same script measures, so the fake run executes the script's own code.
+"""
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from common.estimate import Row, estimate, main as estimate_table, predict, run_rows, select_scripts
+from common.fake_run import EstimateError, run_on_fake_tensors
+from common.gpu_model import (CUBLAS_WORKSPACE_BYTES, CUBLAS_WORKSPACES, MEDIUM_SEGMENT,
+                              SMALL_SEGMENT, CachingAllocatorModel)
+from common.memory_trace import ALLOC, replay
+from common.model import vit_config
+from common.presets import get_preset
+from conftest import QUICK, ROOT, run_script, script_path
+
+NO_EMULATION = ["--device", "cpu"]
+
+
+def parameter_count(preset_name):
+    from transformers import ViTForImageClassification
+    with torch.device("meta"):
+        model = ViTForImageClassification._from_config(vit_config(get_preset(preset_name)))
+    return sum(param.numel() for param in model.parameters())
+
+
+@pytest.mark.parametrize("name", ["01", "02", "03", "04", "05", "06"])
+def test_tiny_estimate_equals_the_peak_the_real_run_measures(name, quick_records):
+    real = quick_records[name]
+    if real["device"] != "cpu":  # the shared quick runs took a GPU: test_sharded_... still runs
+        pytest.skip("the shared quick runs ran on a GPU; this compares CPU runs")
+    predicted = predict(script_path(name), NO_EMULATION)
+    assert predicted["allocated_bytes"] == pytest.approx(real["peak_memory_bytes"], rel=0.01)
+    assert predicted["breakdown_bytes"] == pytest.approx(real["breakdown_bytes"], rel=0.01, abs=4096)
+
+
+@pytest.mark.parametrize("name", ["07", "09"])
+def test_sharded_tiny_estimate_equals_the_real_single_process_run(name, tmp_path):
+    real, _ = run_script(name, [*QUICK, *NO_EMULATION], tmp_path)
+    predicted = predict(script_path(name), NO_EMULATION, world_size=1)
+    assert predicted["allocated_bytes"] == pytest.approx(real["peak_memory_bytes"], rel=0.01)
+
+
+def test_the_recorded_order_replays_to_memtrackers_own_peak():
+    run = run_on_fake_tensors(script_path("04"), NO_EMULATION)
+    replayed = replay(run.trace.events, "cpu", emulate_cuda=False)
+    assert replayed.allocated_bytes == run.meter_result["peak_memory_bytes"]
+    assert replayed.breakdown_bytes == run.meter_result["breakdown_bytes"]
+
+
+@pytest.mark.parametrize("name", ["01", "02", "04", "08"])
+def test_reserved_is_never_below_allocated(name):
+    record = predict(script_path(name), [], world_size=2)
+    assert 0 < record["allocated_bytes"] <= record["reserved_bytes"]
+    assert sum(record["breakdown_bytes"].values()) == record["allocated_bytes"]
+
+
+def test_bfloat16_needs_less_than_float32():
+    float32 = predict(script_path("01"), [])
+    bfloat16 = predict(script_path("03"), [])
+    assert bfloat16["allocated_bytes"] < float32["allocated_bytes"]
+    assert bfloat16["breakdown_bytes"]["activations"] < float32["breakdown_bytes"]["activations"]
+
+
+def test_article_parameters_take_four_bytes_each_in_float32():
+    record = predict(script_path("01"), ["--preset", "article", *NO_EMULATION])
+    assert record["breakdown_bytes"]["parameters"] == 4 * parameter_count("article")
+    assert record["batch_size"] == 64 and record["preset"] == "article"
+
+
+def sharded_parameter_bytes(world_size):
+    run = run_on_fake_tensors(script_path("07"), ["--batch-size", "16", *NO_EMULATION], world_size)
+    return sum(event[2] for event in run.trace.events
+               if event[0] == ALLOC and event[4] == "Sharded Param")
+
+
+def test_four_processes_each_hold_about_a_quarter_of_the_parameters():
+    whole, quarter = sharded_parameter_bytes(1), sharded_parameter_bytes(4)
+    assert whole == 2 * parameter_count("tiny")  # bfloat16
+    assert quarter / whole == pytest.approx(0.25, rel=0.02)  # shards are padded to equal rows
+
+
+def test_offload_moves_the_sharded_state_to_host_memory():
+    sharded = predict(script_path("07"), [], world_size=2)
+    offloaded = predict(script_path("08"), [], world_size=2)
+    assert sharded["host_bytes"] == 0 and offloaded["host_bytes"] > 0
+    assert offloaded["breakdown_bytes"]["parameters"] < sharded["breakdown_bytes"]["parameters"]
+    assert offloaded["allocated_bytes"] < sharded["allocated_bytes"]
+
+
+def edited_copy(tmp_path, name, old, new):
+    source = script_path(name).read_text()
+    assert old in source
+    path = tmp_path / f"{script_path(name).stem}.py"
+    path.write_text(source.replace(old, new))
+    return path
+
+
+def test_a_changed_script_changes_its_prediction(tmp_path):
+    float32 = edited_copy(tmp_path, "03", "DTYPE = torch.bfloat16", "DTYPE = torch.float32")
+    assert predict(float32, [])["allocated_bytes"] > predict(script_path("03"), [])["allocated_bytes"]
+
+
+def test_a_failing_script_is_reported_and_the_others_still_come_out(tmp_path):
+    broken = edited_copy(tmp_path, "01", "    loss.backward()\n",
+                         "    raise RuntimeError('deliberately broken')\n")
+    rows = [Row(broken, []), Row(script_path("03"), [])]
+    (failed_record, problem, _), (record, no_problem, _) = run_rows(rows, jobs=1)
+    assert failed_record is None and "deliberately broken" in problem and "01_baseline.py" in problem
+    assert no_problem is None and record["script"] == "03_bf16"
+
+
+def test_bad_input_gets_a_message_that_says_what_to_do(tmp_path, capsys, monkeypatch):
+    with pytest.raises(SystemExit) as stop:
+        estimate_table(["--preset", "no-such-preset"])
+    assert stop.value.code == 2 and "invalid choice" in capsys.readouterr().err
+
+    with pytest.raises(EstimateError, match=r"--batch-size 24 does not split into 4 processes"):
+        predict(script_path("07"), ["--batch-size", "24"], world_size=4)
+    with pytest.raises(EstimateError, match=r"--batch-size 30 is not divisible by --accum-steps 4"):
+        predict(script_path("04"), ["--batch-size", "30"])
+
+    silent = tmp_path / "silent.py"
+    silent.write_text("def main(argv=None):\n    return None\n")
+    with pytest.raises(EstimateError, match="without reporting a result"):
+        predict(silent, [])
+
+    monkeypatch.setenv("WORLD_SIZE", "four")
+    with pytest.raises(SystemExit, match="WORLD_SIZE='four' is not a positive whole number"):
+        estimate(str(script_path("07")), ["--estimate", "--results-dir", str(tmp_path)])
+
+    scripts, notes = select_scripts(["01", "99"])
+    assert [script.name[:2] for script in scripts] == ["01"]
+    assert any("99" in note and "no numbered script" in note for note in notes)
+
+
+def test_a_script_estimate_updates_its_own_record_and_keeps_the_others(tmp_path):
+    flags = ["--estimate", "--results-dir", str(tmp_path)]
+    estimate(str(script_path("01")), flags)
+    estimate(str(script_path("03")), [*flags, "--batch-size", "16"])
+    estimate(str(script_path("01")), flags)
+    records = json.loads((tmp_path / "estimate.json").read_text())
+    assert sorted((record["script"], record["batch_size"]) for record in records) == [
+        ("01_baseline", 32), ("03_bf16", 16)]
+    assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_the_estimate_flag_works_from_the_command_line(tmp_path):
+    done = subprocess.run([sys.executable, str(script_path("03")), "--batch-size", "16",
+                           "--estimate", "--results-dir", str(tmp_path)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "peak memory reserved" in done.stdout
+    [record] = json.loads((tmp_path / "estimate.json").read_text())
+    assert record["script"] == "03_bf16" and record["batch_size"] == 16 and record["device"] == "cuda"
+
+
+def test_the_table_covers_each_script_and_its_world_size(tmp_path, capsys):
+    status = estimate_table(["--preset", "tiny", "--scripts", "02", "07", "--world-size", "2",
+                             "--jobs", "1", "--results-dir", str(tmp_path)])
+    assert status == 0
+    table = capsys.readouterr().out
+    assert "| 02_mixed_precision |" in table and "2 GPUs" in table and "wall time" in table
+    records = {record["script"]: record for record in
+               json.loads((tmp_path / "estimate.json").read_text())}
+    assert records["02_mixed_precision"]["world_size"] == 1
+    assert records["07_fsdp"]["world_size"] == 2
+
+
+def test_allocator_rounds_requests_and_packs_small_ones_into_shared_segments():
+    allocator = CachingAllocatorModel()
+    blocks = [allocator.malloc(100) for _ in range(3)]
+    assert allocator.allocated == 3 * 512 and allocator.reserved == SMALL_SEGMENT
+    middle = allocator.malloc(3 << 20)  # 1-10 MiB: from a shared 20 MiB segment
+    assert allocator.reserved == SMALL_SEGMENT + MEDIUM_SEGMENT
+    for block in blocks:
+        allocator.free(block)
+    assert allocator.allocated == 3 << 20
+    allocator.malloc(1000)  # a freed small block is reused: nothing new reserved
+    assert allocator.reserved == SMALL_SEGMENT + MEDIUM_SEGMENT
+    allocator.free(middle)
+    allocator.malloc(25 << 20)  # large: its own segment, rounded up to 2 MiB
+    assert allocator.reserved == SMALL_SEGMENT + MEDIUM_SEGMENT + (26 << 20)
+    # the 1 MiB left of its segment is too small to split off: it counts as allocated, as on CUDA
+    assert allocator.peak_allocated == (26 << 20) + 1024
+
+
+def test_allocator_keeps_freed_large_blocks_and_hands_out_the_smallest_that_fits():
+    allocator = CachingAllocatorModel()
+    big, small = allocator.malloc(40 << 20), allocator.malloc(12 << 20)
+    allocator.free(big)
+    allocator.free(small)
+    reserved = allocator.reserved
+    reused = allocator.malloc(12 << 20)
+    assert allocator.reserved == reserved and reused.size == 12 << 20
+    assert allocator.peak_reserved == reserved == (40 << 20) + (12 << 20)
+
+
+def test_emulation_adds_the_cublas_workspaces():
+    run = run_on_fake_tensors(script_path("03"), [])
+    exact = replay(run.trace.events, "cpu", emulate_cuda=False).allocated_bytes
+    emulated = replay(run.trace.events, "cpu", emulate_cuda=True).allocated_bytes
+    assert emulated >= exact + CUBLAS_WORKSPACES * CUBLAS_WORKSPACE_BYTES
+
+
+@pytest.mark.parametrize("dtype, kernel, kept_rows", [
+    (torch.float32, "ScaledDotProductEfficientAttentionBackward0", 224),  # 197 padded to 32s
+    (torch.bfloat16, "ScaledDotProductFlashAttentionBackward0", 197)])
+def test_gpu_attention_takes_the_kernel_cuda_takes_for_the_dtype(dtype, kernel, kept_rows):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from common.gpu_model import gpu_attention
+    with FakeTensorMode():
+        query = torch.empty(2, 197, 4, 32, dtype=dtype).transpose(1, 2).requires_grad_()
+        output, _ = gpu_attention(None, query, query, query, None, scaling=0.125)
+        assert output.shape == (2, 197, 4, 32) and output.is_contiguous()
+        node = output.grad_fn.next_functions[0][0]
+        assert type(node).__name__ == kernel
+        saved = "_saved_log_sumexp" if hasattr(node, "_saved_log_sumexp") else "_saved_logsumexp"
+        log_sum_exp = getattr(node, saved)
+        assert log_sum_exp.shape == (2, 4, kept_rows) and log_sum_exp.dtype == torch.float32
