@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 from torch.utils.checkpoint import checkpoint
 
@@ -80,9 +81,10 @@ def train(args, rank, world_size, device):
         for index, block in enumerate(blocks):  # checkpointing: wrap first, then shard the wrappers
             blocks[index] = CheckpointedBlock(block)  # checkpointing
         offload = CPUOffloadPolicy(pin_memory=device.type == "cuda")  # offload: pinned for CUDA
+        mesh = init_device_mesh(device.type, (world_size,))  # FSDP: all processes, this device type
         for block in transformer_blocks(model):  # FSDP: each block gathers its weights in turn
-            fully_shard(block, offload_policy=offload)  # offload
-        fully_shard(model, offload_policy=offload)  # offload: and the rest, as one more unit
+            fully_shard(block, mesh=mesh, offload_policy=offload)  # offload
+        fully_shard(model, mesh=mesh, offload_policy=offload)  # offload: and the rest, as one more unit
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr or preset.sgd_lr)  # no state
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=total_steps)  # cosine
 

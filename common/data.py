@@ -91,7 +91,8 @@ def make_loader(dataset, batch_size, shuffle, seed=0, rank=0, world_size=1, num_
     batches = RankSlice(BatchSampler(sampler, batch_size, drop_last=shuffle), rank, world_size)
     # batch_size=None: the sampler yields index lists and the Dataset returns whole batches
     return DataLoader(dataset, sampler=batches, batch_size=None, collate_fn=as_pair,
-                      num_workers=num_workers)
+                      num_workers=num_workers, persistent_workers=num_workers > 0,
+                      pin_memory=torch.cuda.is_available())  # pinned: faster copies to a GPU
 
 
 def load_data(preset, batch_size, seed=0, rank=0, world_size=1):

@@ -166,11 +166,19 @@ def stand_ins(run, world_size):
         dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
         return 0, world_size, device
 
+    def init_device_mesh(*args, **kwargs):
+        # a DeviceMesh computes coordinates from values fake tensors do not have; it holds no
+        # model memory, so it is made outside the fake mode
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
+        from torch.distributed.device_mesh import init_device_mesh as make_mesh
+        with unset_fake_temporarily():
+            return make_mesh(*args, **kwargs)
+
     return {"load_data": load_data, "create_model": create_model,
             "evaluate": lambda *args, **kwargs: float("nan"),
             "Progress": silent_progress_class(), "MemoryMeter": FakeRunMeter,
             "measure_creation": measure_creation, "report": report,
-            "init_distributed": init_distributed}
+            "init_distributed": init_distributed, "init_device_mesh": init_device_mesh}
 
 
 def offloads_to_host(model):

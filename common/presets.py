@@ -27,7 +27,7 @@ PRESETS = {
         model=None,
         vit=dict(hidden_size=128, num_hidden_layers=4, num_attention_heads=4,
                  intermediate_size=512, patch_size=8, image_size=32),
-        image_size=32, batch_size=32, epochs=20, lr=1e-3, sgd_lr=0.05,
+        image_size=32, batch_size=32, epochs=20, lr=5e-4, sgd_lr=0.05,
     ),
     "article": Preset(
         name="article",
