@@ -1,9 +1,10 @@
 """06 on-device initialisation: 05 with the model created on its device, in bfloat16.
 
 05 builds the model in float32 on the CPU and then converts and moves it: for a moment the
-float32 copy and the bfloat16 copy both exist. Here every parameter is created on the target
-device in bfloat16 from the start (pretrained weights are loaded straight into it), so model
-creation needs only the final model's memory. Training itself is unchanged.
+float32 copy and the bfloat16 copy both exist (on a GPU machine the float32 one in host RAM).
+Here every parameter is created on the target device in bfloat16 from the start (pretrained
+weights are loaded straight into it), so model creation needs only the final model's memory,
+and no time is spent building and converting a float32 copy. Training itself is unchanged.
 
   python 06_on_device_init.py                   # tiny preset: offline, about 30 s on a laptop CPU
   python 06_on_device_init.py --preset article  # the study: ViT-L/16 on CIFAR-10 (GPU and network)
