@@ -16,7 +16,6 @@ fake CPU tensors are the GPU. Values a step reads back on the host (`.item()`) t
 do not know read as 0: a gradient scaler never finds an overflow, and every step is taken.
 """
 import argparse
-import importlib.util
 import io
 import os
 import sys
@@ -31,6 +30,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
 
 from common import gpu_model
 from common.data import Data
+from common.scripts import import_script
 from common.fake_torch import (FakeModeReadingZeros, device_meshes_made_for_real,
                                sharding_propagation_apart, swappable_fake_parameters,
                                with_global_peak_only)
@@ -191,15 +191,6 @@ def offloads_to_host(model):
     return False
 
 
-def load_script(script_path):
-    """A fresh module object of the script, under a name no import uses."""
-    path = Path(script_path)
-    spec = importlib.util.spec_from_file_location(f"_estimated_{path.stem}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def wants_cuda_emulation(argv):
     """--device cpu asks for the CPU itself (no GPU emulation); anything else predicts a GPU."""
     parser = argparse.ArgumentParser(add_help=False)
@@ -220,7 +211,7 @@ def run_on_fake_tensors(script_path, argv, world_size=1):
     """
     emulate_cuda = wants_cuda_emulation(argv)
     run = FakeRun(script=Path(script_path).stem, emulate_cuda=emulate_cuda)
-    module = load_script(script_path)
+    module = import_script(script_path, prefix="estimated")
     for name, stand_in in stand_ins(run, world_size).items():
         if hasattr(module, name):
             setattr(module, name, stand_in)

@@ -18,9 +18,11 @@ import importlib.util
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,6 +38,7 @@ SCRIPT_PATTERN = "[0-9][0-9]_*.py"
 FIRST_DISTRIBUTED_STEP = 7  # 07_fsdp and after shard the model across processes
 PROCESSES = 2
 ESTIMATE_MODULE = "common.estimate"
+STEP_TIMEOUT = 3 * 3600  # seconds; an article-preset step on one GPU takes well under an hour
 ERROR_LINES = 20  # how much of a failed step's stderr the report keeps
 TRACEBACK_START = "Traceback (most recent call last):"
 RANK_PREFIX = re.compile(r"^\[rank\d+\]:\s?")     # what torchrun may put before a child's lines
@@ -134,19 +137,39 @@ def stream_stderr(process):
     return lines
 
 
-def run_step(step, results_dir, position):
+def kill_process_group(process):
+    """End the step and everything it started (torchrun's workers too)."""
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def run_step(step, results_dir, position, timeout=STEP_TIMEOUT):
     """Run one step with its output streaming through; returns its outcome for tour.json."""
     print(f"\n{position} {step.name} ...", flush=True)
     start = time.perf_counter()
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}  # its lines interleave with ours in order
+    # its own process group, so that a hung step is ended with all its workers
     with subprocess.Popen(step.command, cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True,
-                          errors="replace") as process:
-        stderr_lines = stream_stderr(process)
-        returncode = process.wait()
+                          errors="replace", start_new_session=True) as process:
+        watchdog = threading.Timer(timeout, kill_process_group, [process])
+        watchdog.start()
+        try:
+            stderr_lines = stream_stderr(process)
+            returncode = process.wait()
+        except BaseException:  # Ctrl-C or an error here: leave no step running behind us
+            kill_process_group(process)
+            raise
+        finally:
+            watchdog.cancel()
     seconds = time.perf_counter() - start
+    timed_out = seconds >= timeout and returncode != 0
     _, unreadable = read_json(results_dir / step.output)
     error_line, error_lines = error_excerpt(stderr_lines)
-    if returncode != 0:
+    if timed_out:
+        error = f"timed out after {timeout:g} s (--step-timeout) and was stopped"
+    elif returncode != 0:
         error = f"exit status {returncode}: {error_line or 'no error message'}"
     elif unreadable:
         error, error_lines = f"exit status 0 but {unreadable}", []
@@ -190,6 +213,8 @@ def parse_args(argv=None, scripts=()):
     parser.add_argument("--epochs", type=positive_int, help="passed to every script")
     parser.add_argument("--skip-estimate", action="store_true",
                         help="do not run the GPU estimate (python -m common.estimate)")
+    parser.add_argument("--step-timeout", type=positive_int, default=STEP_TIMEOUT, metavar="S",
+                        help=f"stop a step that runs longer than this (default: {STEP_TIMEOUT} s)")
     parser.add_argument("--publish", type=Path, metavar="DIR",
                         help="also copy tour.md, tour.png, estimate.md and estimate.png to DIR "
                              "(docs, for the README)")
@@ -213,10 +238,10 @@ def main(argv=None, scripts_dir=ROOT):
         steps = [script_step(script, staging, args.passed_flags) for script in args.scripts]
         estimate = None if args.skip_estimate else estimate_step(staging)
         total = len(steps) + (estimate is not None)
-        outcomes = [run_step(step, staging, f"[{number}/{total}]")
+        outcomes = [run_step(step, staging, f"[{number}/{total}]", args.step_timeout)
                     for number, step in enumerate(steps, 1)]
         if estimate is not None:
-            estimate_outcome = run_step(estimate, staging, f"[{total}/{total}]")
+            estimate_outcome = run_step(estimate, staging, f"[{total}/{total}]", args.step_timeout)
         else:
             reason = ("--skip-estimate" if args.skip_estimate
                       else f"this checkout has no {ESTIMATE_MODULE} module")

@@ -1,5 +1,4 @@
 """Helpers shared by the tests: load a numbered script as a module and run its main()."""
-import importlib.util
 import sys
 from pathlib import Path
 
@@ -7,6 +6,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+from common.scripts import import_script  # noqa: E402 (needs the path above)
 
 QUICK = ["--epochs", "1", "--max-steps", "2"]  # the memory peak is reached within two steps
 
@@ -20,11 +21,7 @@ def script_path(name):
 
 def load_script(name):
     """Import e.g. '04' (04_grad_accum.py) as a fresh module object."""
-    path = script_path(name)
-    spec = importlib.util.spec_from_file_location(f"script_{path.stem}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return import_script(script_path(name))
 
 
 class Captured:

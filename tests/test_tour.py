@@ -2,6 +2,7 @@
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import matplotlib.image
@@ -144,6 +145,19 @@ def test_tour_shows_failed_steps_and_runs_the_rest(tmp_path, monkeypatch, capfd)
     for name in ["tour.md", "tour.png", "estimate.md", "estimate.png"]:
         assert (docs / name).read_bytes() == (results / name).read_bytes()
     assert [path.name for path in results.iterdir() if path.name.startswith(".")] == []
+
+
+@pytest.mark.timeout(60)
+def test_a_hung_step_is_stopped_and_shown_as_failed(tmp_path):
+    scripts, results = tmp_path / "scripts", tmp_path / "results"
+    scripts.mkdir()
+    (scripts / "01_hangs.py").write_text("import time\ntime.sleep(120)\n")
+    started = time.perf_counter()
+    status = tour.main(["--results-dir", str(results), "--skip-estimate", "--step-timeout", "2"],
+                       scripts_dir=scripts)
+    assert status == 1 and time.perf_counter() - started < 30
+    row = table_rows((results / "tour.md").read_text())["01_hangs"]
+    assert row[-1].startswith("failed: timed out after 2 s")
 
 
 def test_tour_rejects_unknown_steps(capsys):
