@@ -84,6 +84,13 @@ def as_pair(batch):
 
 def make_loader(dataset, batch_size, shuffle, seed=0, rank=0, world_size=1, num_workers=0):
     """Batches of whole global batches (sliced per process); training drops the last partial batch."""
+    last = len(dataset) % batch_size
+    if not shuffle and 0 < last < world_size:
+        # a process with an empty slice would skip a forward the others wait for (FSDP): a hang
+        raise SystemExit(
+            f"error: the last evaluation batch holds {last} of {len(dataset)} samples, fewer than "
+            f"the {world_size} processes: some would get none. Use a --batch-size for which "
+            f"{len(dataset)} % batch size is 0 or at least {world_size}, or fewer processes.")
     if shuffle:
         sampler = RandomSampler(dataset, generator=torch.Generator().manual_seed(seed))
     else:

@@ -231,3 +231,15 @@ def test_bad_split_stops_every_process_with_a_message(argv, message, tmp_path):
         assert message in stderr and "--batch-size" in stderr, (rank, stderr)
         assert "Traceback" not in stderr, (rank, stderr)  # a message, not a crash
     assert not list(tmp_path.iterdir())  # nothing trained, nothing recorded
+
+
+def test_an_evaluation_batch_too_small_to_split_stops_with_a_message():
+    from common.data import make_loader
+    samples = list(range(10))  # batches of 4: the last one holds 2, too few for 4 processes
+    with pytest.raises(SystemExit, match="fewer than the 4 processes"):
+        make_loader(samples, batch_size=4, shuffle=False, rank=0, world_size=4)
+    # where the last batch can be split, every process gets as many batches and all samples
+    per_rank = [list(make_loader(samples, batch_size=4, shuffle=False, rank=rank,
+                                 world_size=2).sampler) for rank in range(2)]
+    assert len(per_rank[0]) == len(per_rank[1]) == 3 and all(map(all, zip(*per_rank)))
+    assert sorted(i for batches in per_rank for batch in batches for i in batch) == samples
