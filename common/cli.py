@@ -1,5 +1,6 @@
 """The command line every numbered script shares, with checks that say what was wrong."""
 import argparse
+from pathlib import Path
 
 import torch
 
@@ -53,6 +54,9 @@ def parse_args(description, argv=None, accum_steps=None):
                             help=f"micro-batches per optimizer step (default: {accum_steps})")
     args = parser.parse_args(argv)
 
+    if Path(args.results_dir).exists() and not Path(args.results_dir).is_dir():
+        parser.error(f"--results-dir {args.results_dir} is a file; name a directory (it is "
+                     "created if missing)")
     preset = PRESETS[args.preset]
     args.epochs = args.epochs or preset.epochs
     args.batch_size = args.batch_size or preset.batch_size

@@ -84,6 +84,10 @@ def as_pair(batch):
 
 def make_loader(dataset, batch_size, shuffle, seed=0, rank=0, world_size=1, num_workers=0):
     """Batches of whole global batches (sliced per process); training drops the last partial batch."""
+    if shuffle and batch_size > len(dataset):
+        raise SystemExit(f"error: --batch-size {batch_size} is larger than the {len(dataset)} "
+                         f"training samples: no optimizer step would run. Use at most "
+                         f"{len(dataset)}.")
     last = len(dataset) % batch_size
     if not shuffle and 0 < last < world_size:
         # a process with an empty slice would skip a forward the others wait for (FSDP): a hang

@@ -13,13 +13,6 @@ STUDY_RESERVED_GB = {
     ("04_grad_accum", 16, 4): 3.91,
 }
 
-# Context only, not comparable with this repository's 07-08: the study sharded its float32
-# baseline with FSDP over 4 GPUs at batch 64 per GPU (256 per optimizer step).
-STUDY_MULTI_GPU_GB = {
-    "FSDP, 4 GPUs, float32, batch 64 per GPU": 6.59,
-    "FSDP with CPU offload, 4 GPUs, float32, batch 64 per GPU": 6.03,
-}
-
 
 def published_reserved_gb(script, batch_size, accum_steps):
     """The study's figure for this exact setting, or None."""

@@ -8,7 +8,7 @@ import torch
 from common import hub
 from common.model import create_model
 from common.presets import get_preset
-from conftest import QUICK, load_script, run_script
+from conftest import QUICK, ROOT, load_script, run_script
 
 SINGLE_DEVICE_STEPS = ["01", "02", "03", "04", "05", "06"]
 RECORD_FIELDS = {"script", "preset", "device", "world_size", "batch_size", "accum_steps",
@@ -154,6 +154,7 @@ def test_on_device_init_never_creates_a_float32_parameter(tmp_path, monkeypatch)
     (["--lr", "-1"], "must be positive"),
     (["--epochs", "two"], "expected a whole number"),
     (["--preset", "huge"], "invalid choice"),
+    (["--results-dir", str(ROOT / "README.md")], "is a file; name a directory"),
 ])
 def test_bad_input_gets_a_message_that_says_why(argv, message, capsys):
     if "cuda" in argv and torch.cuda.is_available():
@@ -162,6 +163,13 @@ def test_bad_input_gets_a_message_that_says_why(argv, message, capsys):
         load_script("04").main(argv)
     assert stop.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_a_batch_larger_than_the_training_set_stops_with_a_message(tmp_path):
+    with pytest.raises(SystemExit) as stop:
+        load_script("01").main(["--batch-size", "2000", "--results-dir", str(tmp_path)])
+    assert "larger than the 1257 training samples" in str(stop.value.code)
+    assert not list(tmp_path.iterdir())  # no record of a run that trained nothing
 
 
 def test_article_preset_offline_fails_at_once_naming_what_and_pointing_to_tiny(monkeypatch):
