@@ -7,20 +7,19 @@ The reference run. Every later script is this one plus one memory technique, so
   python 01_baseline.py --preset article  # the study: ViT-L/16 on CIFAR-10 (GPU and network)
   python 01_baseline.py --estimate        # predict peak GPU memory without a GPU
 """
-import time
-
 import torch
 import torch.nn.functional as F
 
+# --estimate runs main() on fake tensors with stand-ins for these names (no data, no download):
+# keep importing them by name. The list and the reasons: common/estimate/contract.py.
 from common.cli import parse_args
 from common.data import load_data
-from common.estimate import estimate
 from common.evaluate import evaluate
 from common.memory import MemoryMeter, measure_creation
 from common.model import create_model
 from common.presets import get_preset
 from common.progress import Progress
-from common.report import report
+from common.summary import report
 
 
 def train_step(model, optimizer, images, labels, device):
@@ -34,11 +33,8 @@ def train_step(model, optimizer, images, labels, device):
     return loss.detach()
 
 
-def main(argv=None):
-    args = parse_args(__doc__, argv)
-    if args.estimate:  # run this script on fake tensors instead (common/estimate.py)
-        return estimate(__file__, argv)
-    preset, device = get_preset(args.preset), args.device
+def train(args, device):
+    preset = get_preset(args.preset)
     torch.manual_seed(args.seed)
 
     data = load_data(preset, args.batch_size, seed=args.seed)
@@ -50,27 +46,29 @@ def main(argv=None):
         model = create_model(preset).to(device)
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr or preset.lr)
 
-    meter = MemoryMeter(device, model, optimizer)
-    progress = Progress(total_steps)
-    step = 0
-    start = time.perf_counter()
+    meter = MemoryMeter(device, model, optimizer)  # the peak of the first steps, by what it holds
+    progress = Progress(total_steps)  # progress lines, the losses and the training clock
     model.train()
     for epoch in range(args.epochs):
         for images, labels in data.train:
             with meter.step():
                 loss = train_step(model, optimizer, images, labels, device)
-            step += 1
-            progress.step(step, epoch, loss)
-            if step == total_steps:
+            progress.step(epoch, loss)
+            if progress.steps == total_steps:
                 break
         progress.epoch(epoch, args.epochs, evaluate(model, data.val, device))
-        if step == total_steps:
+        if progress.steps == total_steps:
             break
-    train_seconds = time.perf_counter() - start - meter.tracked_seconds
-
     test_accuracy = evaluate(model, data.test, device)
-    return report(args, __file__, meter.result(), creation.peak_bytes, train_seconds,
-                  test_accuracy, step, losses=progress.loss_values())
+    return report(args, __file__, creation, meter, progress, test_accuracy)
+
+
+def main(argv=None):
+    args = parse_args(__doc__, argv)
+    if args.estimate:  # predict instead: this script's main() on fake tensors (common/estimate/)
+        from common.estimate import estimate
+        return estimate(__file__, argv)
+    return train(args, args.device)
 
 
 if __name__ == "__main__":

@@ -8,27 +8,27 @@ micro-batches). Plain SGD needs a larger learning rate than Adam: the preset's `
   python 05_sgd_cosine.py --preset article  # the study: ViT-L/16 on CIFAR-10 (GPU and network)
   python 05_sgd_cosine.py --estimate        # predict peak GPU memory without a GPU
 """
-import time
-
 import torch
 import torch.nn.functional as F
 
+# --estimate runs main() on fake tensors with stand-ins for these names (no data, no download):
+# keep importing them by name. The list and the reasons: common/estimate/contract.py.
 from common.cli import parse_args
 from common.data import load_data
-from common.estimate import estimate
 from common.evaluate import evaluate
 from common.memory import MemoryMeter, measure_creation
 from common.model import create_model
 from common.presets import get_preset
 from common.progress import Progress
-from common.report import report
+from common.summary import report
 
 DTYPE = torch.bfloat16  # bf16-true: weights, gradients, optimizer state and activations
 
 
-def train_step(model, optimizer, images, labels, device, accum_steps):
+def train_step(model, optimizer, images, labels, device, accum_steps):  # gradient accumulation
     """One optimizer step on one batch; returns the loss."""
-    micro_size = len(labels) // accum_steps  # gradient accumulation: split the batch
+    # gradient accumulation: equal micro-batches, one at a time; their gradients add up in .grad
+    micro_size = len(labels) // accum_steps
     micro_batches = list(zip(images.split(micro_size), labels.split(micro_size)))
     batch_loss = 0.0
     for micro_images, micro_labels in micro_batches:
@@ -36,18 +36,15 @@ def train_step(model, optimizer, images, labels, device, accum_steps):
         micro_labels = micro_labels.to(device)
         logits = model(pixel_values=micro_images).logits
         loss = F.cross_entropy(logits, micro_labels) / len(micro_batches)  # mean over the batch
-        loss.backward()  # gradients add up in .grad until the optimizer step
+        loss.backward()
         batch_loss += loss.detach()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return batch_loss
+    return batch_loss  # gradient accumulation: the whole batch's mean loss
 
 
-def main(argv=None):
-    args = parse_args(__doc__, argv, accum_steps=4)  # gradient accumulation
-    if args.estimate:  # run this script on fake tensors instead (common/estimate.py)
-        return estimate(__file__, argv)
-    preset, device = get_preset(args.preset), args.device
+def train(args, device):
+    preset = get_preset(args.preset)
     torch.manual_seed(args.seed)
 
     data = load_data(preset, args.batch_size, seed=args.seed)
@@ -57,32 +54,34 @@ def main(argv=None):
 
     with measure_creation(device) as creation:
         model = create_model(preset).to(device, DTYPE)  # bf16-true
-    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr or preset.sgd_lr)  # no state
-    scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=total_steps)  # cosine
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr or preset.sgd_lr)  # plain SGD
+    scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=total_steps)  # plain SGD
 
-    meter = MemoryMeter(device, model, optimizer)
-    progress = Progress(total_steps)
-    step = 0
-    start = time.perf_counter()
+    meter = MemoryMeter(device, model, optimizer)  # the peak of the first steps, by what it holds
+    progress = Progress(total_steps)  # progress lines, the losses and the training clock
     model.train()
     for epoch in range(args.epochs):
         for images, labels in data.train:
             with meter.step():
-                loss = train_step(model, optimizer, images, labels, device, args.accum_steps)
-            scheduler.step()  # cosine: once per optimizer step
-            step += 1
-            progress.step(step, epoch, loss)
-            if step == total_steps:
+                loss = train_step(model, optimizer, images, labels, device,  # gradient accumulation
+                                  args.accum_steps)
+            scheduler.step()  # plain SGD: the cosine moves once per optimizer step
+            progress.step(epoch, loss)
+            if progress.steps == total_steps:
                 break
-        progress.epoch(epoch, args.epochs, evaluate(model, data.val, device, DTYPE))
-        if step == total_steps:
+        progress.epoch(epoch, args.epochs, evaluate(model, data.val, device, DTYPE))  # bf16-true
+        if progress.steps == total_steps:
             break
-    train_seconds = time.perf_counter() - start - meter.tracked_seconds
+    test_accuracy = evaluate(model, data.test, device, DTYPE)  # bf16-true: bfloat16 inputs
+    return report(args, __file__, creation, meter, progress, test_accuracy)
 
-    test_accuracy = evaluate(model, data.test, device, DTYPE)
-    return report(args, __file__, meter.result(), creation.peak_bytes, train_seconds,
-                  test_accuracy, step, losses=progress.loss_values(),
-                  final_lr=scheduler.get_last_lr()[0])
+
+def main(argv=None):
+    args = parse_args(__doc__, argv, accum_steps=4)  # gradient accumulation: --accum-steps
+    if args.estimate:  # predict instead: this script's main() on fake tensors (common/estimate/)
+        from common.estimate import estimate
+        return estimate(__file__, argv)
+    return train(args, args.device)
 
 
 if __name__ == "__main__":

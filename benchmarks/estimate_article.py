@@ -17,7 +17,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from common.estimate import ESTIMATE_FILE, GB, main as estimate_table, published_gb, resources_used
+from common.estimate.predict import ESTIMATE_FILE, GB, published_gb
+from common.estimate.table import main as estimate_table, resources_used
 
 TARGET_SECONDS, TARGET_RSS_GB, TARGET_RATIO_OFF = 60, 2.0, 0.10
 

@@ -1,5 +1,6 @@
 """The command line every numbered script shares, with checks that say what was wrong."""
 import argparse
+import importlib.util
 from pathlib import Path
 
 import torch
@@ -54,6 +55,9 @@ def parse_args(description, argv=None, accum_steps=None):
                             help=f"micro-batches per optimizer step (default: {accum_steps})")
     args = parser.parse_args(argv)
 
+    if args.estimate and importlib.util.find_spec("common.estimate") is None:
+        parser.error("--estimate needs the estimator, common/estimate/, which this copy of the "
+                     "script lacks: copy that folder beside common/ (or run it from the repository)")
     if Path(args.results_dir).exists() and not Path(args.results_dir).is_dir():
         parser.error(f"--results-dir {args.results_dir} is a file; name a directory (it is "
                      "created if missing)")

@@ -12,7 +12,9 @@ from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
+from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 from torch.distributed._tools.mem_tracker import MemTracker
+from torch.distributed.fsdp import FSDPModule
 
 TRACKED_STEPS = 2
 
@@ -52,15 +54,21 @@ def memory_tracker(model, optimizer):
     return tracker
 
 
+def is_sharded(model):
+    """True when FSDP2's fully_shard has been applied to the model or any of its modules."""
+    return any(isinstance(module, FSDPModule) for module in model.modules())
+
+
 class MemoryMeter:
     """Wrap each optimizer step in `meter.step()`; read `meter.result()` at the end.
 
-    `tracker_factory(model, optimizer)` makes the tracker (MemTracker by default).
+    A sharded model (steps 07-09) is tracked by FSDPMemTracker, which tells a process's shards
+    from the parameters gathered for a block; any other by MemTracker.
     """
 
-    def __init__(self, device, model, optimizer, tracker_factory=memory_tracker):
+    def __init__(self, device, model, optimizer):
         self.device, self.model, self.optimizer = device, model, optimizer
-        self.tracker_factory = tracker_factory
+        self.tracker_factory = FSDPMemTracker if is_sharded(model) else memory_tracker
         self.tracker = None
         self.steps_seen = 0
         self.tracked_seconds = 0.0

@@ -9,15 +9,18 @@ def vit_config(preset):
     return ViTConfig(**preset.vit, num_labels=preset.num_classes)
 
 
-def create_model(preset, device="cpu", dtype=torch.float32):
-    """A ViT classifier whose parameters are created on `device` in `dtype`, with no copy first."""
+def create_model(preset, dtype=torch.float32):
+    """A ViT classifier whose parameters are created in `dtype` on the default device.
+
+    The default device is the CPU unless the caller sets another, as step 06 does with
+    `with torch.device(device):`; pretrained weights are then loaded straight onto it.
+    """
     if preset.model is None:  # train from scratch
-        with torch.device(device):
-            return ViTForImageClassification._from_config(vit_config(preset), dtype=dtype)
+        return ViTForImageClassification._from_config(vit_config(preset), dtype=dtype)
     require_hub(f"the pretrained model {preset.model}")
     return ViTForImageClassification.from_pretrained(
         preset.model, num_labels=preset.num_classes, ignore_mismatched_sizes=True,  # new 10-class head
-        dtype=dtype, device_map=str(device))
+        dtype=dtype, device_map=torch.get_default_device())  # with its index: cuda:N, not "cuda"
 
 
 def transformer_blocks(model):

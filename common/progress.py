@@ -1,4 +1,5 @@
-"""Progress lines while training: about twenty per run, plus one per epoch."""
+"""Progress lines while training (about twenty per run, plus one per epoch), the per-step losses
+and the training clock."""
 import time
 
 import torch.distributed as dist
@@ -9,23 +10,33 @@ def is_main_process():
 
 
 class Progress:
+    """Counts optimizer steps and times training: from its creation to the end of the last epoch
+    (validation included, the final test not)."""
+
     def __init__(self, total_steps, lines=20):
         self.total_steps = total_steps
+        self.steps = 0
         self.every = max(1, total_steps // lines)
-        self.start = time.perf_counter()
+        self.start = self.end = time.perf_counter()
         self.losses = []  # one detached tensor per step: no device sync until they are read
 
-    def step(self, step, epoch, loss):
-        """Call after optimizer step `step` (1-based); `loss` is a tensor, read only when printing."""
+    def step(self, epoch, loss):
+        """Call after each optimizer step; `loss` is a tensor, read only when printing."""
+        self.steps += 1
         self.losses.append(loss.detach())
-        if is_main_process() and (step % self.every == 0 or step == self.total_steps):
-            elapsed = time.perf_counter() - self.start
-            print(f"epoch {epoch + 1} step {step}/{self.total_steps} loss {loss.item():.4f} "
-                  f"({elapsed:.1f} s)", flush=True)
+        if is_main_process() and (self.steps % self.every == 0 or self.steps == self.total_steps):
+            print(f"epoch {epoch + 1} step {self.steps}/{self.total_steps} loss {loss.item():.4f} "
+                  f"({time.perf_counter() - self.start:.1f} s)", flush=True)
+
+    def epoch(self, epoch, epochs, val_accuracy):
+        """Call after each epoch's validation."""
+        self.end = time.perf_counter()
+        if is_main_process():
+            print(f"epoch {epoch + 1}/{epochs} validation accuracy {val_accuracy:.2%}", flush=True)
+
+    @property
+    def seconds(self):
+        return self.end - self.start
 
     def loss_values(self):
         return [round(loss.item(), 6) for loss in self.losses]
-
-    def epoch(self, epoch, epochs, val_accuracy):
-        if is_main_process():
-            print(f"epoch {epoch + 1}/{epochs} validation accuracy {val_accuracy:.2%}", flush=True)

@@ -7,7 +7,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from common.scripts import import_script  # noqa: E402 (needs the path above)
+from common.estimate.script_import import import_script  # noqa: E402 (needs the path above)
 
 QUICK = ["--epochs", "1", "--max-steps", "2"]  # the memory peak is reached within two steps
 

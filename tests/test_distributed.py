@@ -16,6 +16,7 @@ import sys
 import pytest
 import torch
 
+from common.presets import get_preset
 from conftest import ROOT, load_script, run_script, script_path
 
 RUN = ["--epochs", "1", "--max-steps", "3"]  # two tracked steps (the peak) and one more
@@ -106,7 +107,7 @@ def test_each_process_trains_on_its_own_half_of_every_batch(probed_runs):
     batches = [run["batches"] for run in probed_runs("07").ranks]
     assert [len(seen) for seen in batches] == [3, 3]
     for first, second in zip(*batches):
-        assert first["size"] == second["size"] == 32 // WORLD_SIZE
+        assert first["size"] == second["size"] == get_preset("tiny").batch_size // WORLD_SIZE
         assert first["image_sum"] != second["image_sum"]  # different samples
 
 

@@ -118,7 +118,7 @@ def test_accumulated_gradient_equals_the_whole_batch_gradient():
 
 def test_accumulation_keeps_the_optimizer_steps_of_one_epoch(tmp_path):
     steps = {name: run_script(name, ["--epochs", "1"], tmp_path)[0]["steps"] for name in ("03", "04")}
-    assert steps["03"] == steps["04"] == 1257 // 32
+    assert steps["03"] == steps["04"] == 1257 // get_preset("tiny").batch_size
 
 
 def test_sgd_keeps_no_state_and_cosine_ends_at_zero(tmp_path):

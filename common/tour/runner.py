@@ -28,12 +28,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from common.cli import positive_int
-from common.files import atomic_path, write_json_atomically
-from common.tour_records import ESTIMATE_FILE, TOUR_FILE, read_json
-from common.tour_report import (ESTIMATE_CHART, ESTIMATE_TABLE, REPORT_FILES, TOUR_CHART,
+from common.atomic_write import atomic_path, write_json_atomically
+from common.tour.records import ESTIMATE_FILE, TOUR_FILE, read_json
+from common.tour.report import (ESTIMATE_CHART, ESTIMATE_TABLE, REPORT_FILES, TOUR_CHART,
                                  TOUR_TABLE, write_report)
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SCRIPT_PATTERN = "[0-9][0-9]_*.py"
 FIRST_DISTRIBUTED_STEP = 7  # 07_fsdp and after shard the model across processes
 PROCESSES = 2
@@ -267,6 +267,3 @@ def main(argv=None, scripts_dir=ROOT):
         print(f"failed: {', '.join(failed)} (see the table)")
     return 1 if failed else 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -10,11 +10,12 @@ import sys
 import pytest
 import torch
 
-from common.estimate import Row, estimate, main as estimate_table, predict, run_rows, select_scripts
-from common.fake_run import EstimateError, run_on_fake_tensors
-from common.gpu_model import (CUBLAS_WORKSPACE_BYTES, CUBLAS_WORKSPACES, MEDIUM_SEGMENT,
-                              SMALL_SEGMENT, CachingAllocatorModel)
-from common.memory_trace import ALLOC, replay
+from common.estimate.allocation_trace import ALLOC, replay
+from common.estimate.caching_allocator import MEDIUM_SEGMENT, SMALL_SEGMENT, CachingAllocatorModel
+from common.estimate.fake_run import EstimateError, run_on_fake_tensors
+from common.estimate.gpu_choices import CUBLAS_WORKSPACE_BYTES, CUBLAS_WORKSPACES
+from common.estimate.predict import Row, estimate, predict
+from common.estimate.table import main as estimate_table, run_rows, select_scripts
 from common.model import vit_config
 from common.presets import get_preset
 from conftest import QUICK, ROOT, run_script, script_path
@@ -126,7 +127,8 @@ def test_bad_input_gets_a_message_that_says_what_to_do(tmp_path, capsys, monkeyp
         predict(script_path("04"), ["--batch-size", "30"])
 
     silent = tmp_path / "silent.py"
-    silent.write_text("def main(argv=None):\n    return None\n")
+    silent.write_text(script_path("01").read_text().split("def train_step")[0]  # its imports
+                      + "def main(argv=None):\n    return None\n")
     with pytest.raises(EstimateError, match="without reporting a result"):
         predict(silent, [])
 
@@ -146,7 +148,7 @@ def test_a_script_estimate_updates_its_own_record_and_keeps_the_others(tmp_path)
     estimate(str(script_path("01")), flags)
     records = json.loads((tmp_path / "estimate.json").read_text())
     assert sorted((record["script"], record["batch_size"]) for record in records) == [
-        ("01_baseline", 32), ("03_bf16", 16)]
+        ("01_baseline", get_preset("tiny").batch_size), ("03_bf16", 16)]
     assert not list(tmp_path.glob("*.tmp"))
 
 
@@ -213,7 +215,7 @@ def test_emulation_adds_the_cublas_workspaces():
     (torch.bfloat16, "ScaledDotProductFlashAttentionBackward0", 197)])
 def test_gpu_attention_takes_the_kernel_cuda_takes_for_the_dtype(dtype, kernel, kept_rows):
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from common.gpu_model import gpu_attention
+    from common.estimate.gpu_choices import gpu_attention
     with FakeTensorMode():
         query = torch.empty(2, 197, 4, 32, dtype=dtype).transpose(1, 2).requires_grad_()
         output, _ = gpu_attention(None, query, query, query, None, scaling=0.125)
@@ -223,3 +225,24 @@ def test_gpu_attention_takes_the_kernel_cuda_takes_for_the_dtype(dtype, kernel, 
         saved = "_saved_log_sumexp" if hasattr(node, "_saved_log_sumexp") else "_saved_logsumexp"
         log_sum_exp = getattr(node, saved)
         assert log_sum_exp.shape == (2, 4, kept_rows) and log_sum_exp.dtype == torch.float32
+
+
+@pytest.mark.parametrize("old, new, named", [
+    ("from common.data import load_data\n",
+     "from common.data import load_data as read_batches\n", "does not import `load_data`"),
+    ("def train_step(", "def evaluate(model, loader, device, dtype=None):\n    return 0.0\n\n\ndef train_step(",
+     "defines or imports its own `evaluate`"),
+])
+def test_a_broken_contract_stops_the_estimate_naming_the_name(tmp_path, old, new, named):
+    broken = edited_copy(tmp_path, "03", old, new)
+    with pytest.raises(EstimateError, match=named) as stop:
+        predict(broken, [])
+    assert "common/estimate/contract.py" in str(stop.value)
+
+
+def test_a_script_that_starts_its_own_process_group_is_refused(tmp_path):
+    own_group = edited_copy(tmp_path, "07", "    rank, world_size, device = init_distributed(args.device)",
+                            "    dist.init_process_group('gloo')\n"
+                            "    rank, world_size, device = init_distributed(args.device)")
+    with pytest.raises(EstimateError, match="calls torch.distributed.init_process_group itself"):
+        predict(own_group, [])

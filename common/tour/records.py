@@ -10,7 +10,7 @@ import math
 from dataclasses import dataclass, field
 
 from common.memory import BREAKDOWN_KEYS
-from common.published import published_reserved_gb
+from common.estimate.published import published_reserved_gb
 
 TOUR_FILE = "tour.json"
 ESTIMATE_FILE = "estimate.json"

@@ -2,8 +2,9 @@
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
-from common.files import write_json_atomically
+from common.atomic_write import write_json_atomically
 from common.progress import is_main_process
 
 
@@ -11,9 +12,16 @@ def mib(nbytes):
     return f"{nbytes / 2**20:,.2f} MiB"
 
 
-def report(args, script, memory, init_peak_bytes, train_seconds, test_accuracy, steps,
-           world_size=1, **extra):
-    """Print the summary and write results/<script>.json; returns the record."""
+def report(args, script, creation, meter, progress, test_accuracy):
+    """Print the summary of a finished run and write results/<script>.json; returns the record.
+
+    `creation` is what measure_creation() gave, `meter` the run's MemoryMeter, `progress` its
+    Progress. Training time is the Progress clock less the steps the meter tracked (tracking
+    slows them down).
+    """
+    memory = meter.result()  # under several processes: a collective, so every process calls it
+    world_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    train_seconds = progress.seconds - meter.tracked_seconds
     record = {
         "script": Path(script).stem,
         "preset": args.preset,
@@ -22,14 +30,15 @@ def report(args, script, memory, init_peak_bytes, train_seconds, test_accuracy, 
         "batch_size": args.batch_size,
         "accum_steps": args.accum_steps,
         **memory,
-        "init_peak_memory_bytes": init_peak_bytes,
+        "init_peak_memory_bytes": creation.peak_bytes,
         "train_seconds": round(train_seconds, 3),
         "test_accuracy": test_accuracy,
-        "steps": steps,
+        "steps": progress.steps,
         "epochs": args.epochs,
         "seed": args.seed,
         "torch_version": torch.__version__,
-        **extra,
+        "losses": progress.loss_values(),
+        "final_lr": meter.optimizer.param_groups[0]["lr"],
     }
     if not is_main_process():
         return record
@@ -44,8 +53,8 @@ def report(args, script, memory, init_peak_bytes, train_seconds, test_accuracy, 
     print(f"  at the peak: {breakdown}")
     if "cuda_max_reserved_bytes" in memory:
         print(f"  CUDA reserved          {mib(memory['cuda_max_reserved_bytes'])}")
-    print(f"peak memory of creation  {mib(init_peak_bytes)}")
-    print(f"training time            {train_seconds:.1f} s ({steps} optimizer steps)")
+    print(f"peak memory of creation  {mib(creation.peak_bytes)}")
+    print(f"training time            {train_seconds:.1f} s ({progress.steps} optimizer steps)")
     print(f"test accuracy            {test_accuracy:.2%}")
     path = Path(args.results_dir) / f"{record['script']}.json"
     write_json_atomically(path, record)

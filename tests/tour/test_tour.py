@@ -8,10 +8,10 @@ from pathlib import Path
 import matplotlib.image
 import pytest
 
-from common import tour
-from common.charts import estimate_figure, tour_figure
-from common.tour_records import MIB, load_estimate_rows, load_step_rows
-from common.tour_report import write_report
+from common.tour import runner as tour
+from common.tour.charts import estimate_figure, tour_figure
+from common.tour.records import MIB, load_estimate_rows, load_step_rows
+from common.tour.report import write_report
 from conftest import QUICK, ROOT
 
 FIXTURES = Path(__file__).parent / "fixtures"

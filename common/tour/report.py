@@ -1,6 +1,6 @@
 """The tour's report: markdown tables and the two charts, built from a results directory's JSON.
 
-  python -m common.tour_report [results]   # rebuild tour.md, tour.png, estimate.md, estimate.png
+  python -m common.tour.report [results]   # rebuild tour.md, tour.png, estimate.md, estimate.png
 
 `python -m common.tour` calls this after its steps; run it alone to rebuild the report from records
 already there (for instance after rerunning one script by hand). Every file is written to a
@@ -10,11 +10,11 @@ import argparse
 import sys
 from pathlib import Path
 
-from common.charts import estimate_figure, save_png, tour_figure
-from common.files import write_text_atomically
+from common.atomic_write import write_text_atomically
+from common.estimate.published import STUDY_RESERVED_GB
 from common.memory import BREAKDOWN_KEYS
-from common.published import STUDY_RESERVED_GB
-from common.tour_records import (ESTIMATE_FILE, GB, MIB, in_units, load_estimate_rows,
+from common.tour.charts import estimate_figure, save_png, tour_figure
+from common.tour.records import (ESTIMATE_FILE, GB, MIB, in_units, load_estimate_rows,
                                   load_step_rows, read_tour, shown)
 
 TOUR_TABLE, TOUR_CHART = "tour.md", "tour.png"

@@ -1,12 +1,12 @@
 """What a CUDA GPU does differently from this CPU, written down in one place for the estimate.
 
-The estimate (common/estimate.py) runs a script on fake CPU tensors, because autograd on fake
+The estimate (common/estimate/) runs a script on fake CPU tensors, because autograd on fake
 CUDA tensors aborts a CPU-only build. Where a GPU would take another path, the choice is made
 here, explicitly, as PyTorch 2.13 (the version pinned here) makes it on an A100:
 
 - Host and device: on a CPU they are one memory; on a GPU, batches and a model built on the
   host take GPU memory only once `.to(device)` copies them. The fake run keeps the host side on
-  the meta device (common/fake_run.py), so those copies happen and are counted.
+  the meta device (fake_run.py), so those copies happen and are counted.
 - Attention kernel, by dtype: float16/bfloat16 run flash attention, float32 runs the
   memory-efficient kernel (the first candidates of scaled_dot_product_attention on an A100).
   For backward both keep their inputs, their output and a float32 log-sum-exp per query row;
@@ -16,10 +16,10 @@ here, explicitly, as PyTorch 2.13 (the version pinned here) makes it on an A100:
   implementation (on the CPU, the for-loop one). Foreach Adam holds one temporary the size of
   all parameters at once (the square root of the second moment; the June 2023 build the study
   used held two); the for-loop one, one parameter's worth (`cuda_optimizer_defaults`).
-- Allocation rounding: every block is a multiple of 512 bytes (`ALLOCATION_GRANULE`).
+- Allocation rounding: every block is a multiple of 512 bytes (`ALLOCATION_GRANULE`, caching_allocator.py).
 - The caching allocator: freed blocks stay reserved and are reused by later requests that fit,
   so `max_memory_reserved` exceeds `max_memory_allocated` by the allocator's fragmentation
-  (`CachingAllocatorModel`).
+  (`CachingAllocatorModel` in caching_allocator.py).
 - cuBLAS workspaces: each (thread, stream) pair that runs a matrix multiplication gets one from
   the caching allocator and keeps it: forward on the main thread, backward on autograd's
   device thread (`CUBLAS_WORKSPACES`).
@@ -40,19 +40,10 @@ whose cached blocks the real allocator keeps apart, and an offloaded shard is co
 before it is gathered (here the copy is a no-op); the model treats it all as one stream and no
 copy, so for these steps the reserved figure leans low.
 """
-import bisect
-import itertools
 import sys
 from contextlib import contextmanager
 
 import torch
-
-ALLOCATION_GRANULE = 512              # kMinBlockSize: every block is a multiple of this
-SMALL_REQUEST = 1 << 20               # kSmallSize: requests up to 1 MiB come from the small pool
-SMALL_SEGMENT = 2 << 20               # kSmallBuffer: small requests share 2 MiB segments
-MEDIUM_SEGMENT = 20 << 20             # kLargeBuffer: requests of 1-10 MiB share 20 MiB segments
-LARGE_REQUEST = 10 << 20              # kMinLargeAlloc: from here a request gets its own segment
-LARGE_ROUNDING = 2 << 20              # kRoundLarge: ... rounded up to a multiple of 2 MiB
 
 CUBLAS_WORKSPACE_BYTES = 4096 * 1024 * 2 + 16 * 1024 * 8  # CUBLAS_WORKSPACE_CONFIG ":4096:2:16:8"
 CUBLAS_WORKSPACES = 2                 # forward (main thread) and backward (autograd's thread)
@@ -103,94 +94,3 @@ def cuda_optimizer_defaults():
     finally:
         for module, original in zip(modules, originals):
             module._default_to_fused_or_foreach = original
-
-
-def rounded(nbytes):
-    """A request's size as the allocator hands it out (at least one granule)."""
-    return max(ALLOCATION_GRANULE, -(-nbytes // ALLOCATION_GRANULE) * ALLOCATION_GRANULE)
-
-
-def segment_size(request):
-    """Bytes the allocator asks the driver for when no cached block fits `request`."""
-    if request <= SMALL_REQUEST:
-        return SMALL_SEGMENT
-    if request < LARGE_REQUEST:
-        return MEDIUM_SEGMENT
-    return -(-request // LARGE_ROUNDING) * LARGE_ROUNDING
-
-
-class Block:
-    __slots__ = ("address", "size", "free", "previous", "next", "small")
-
-    def __init__(self, address, size, small, previous=None, following=None):
-        self.address, self.size, self.small = address, size, small
-        self.free, self.previous, self.next = True, previous, following
-
-
-class CachingAllocatorModel:
-    """PyTorch's CUDA caching allocator (native backend, default settings), one stream.
-
-    Requests are rounded to 512 bytes. Each pool (small: up to 1 MiB; large) keeps its free blocks
-    sorted by size and hands out the smallest that fits, split when the rest is worth keeping
-    (small pool: at least 512 bytes; large pool: over 1 MiB), else whole. With no fitting block
-    it reserves a new segment (2 MiB, 20 MiB, or the request rounded to 2 MiB). Freed blocks
-    merge with free neighbours in their segment; segments are never given back (no empty_cache,
-    and the device is assumed large enough never to force it). `allocated` counts whole blocks,
-    as `memory_allocated` does, so an unsplit block counts with its slack.
-    """
-
-    def __init__(self):
-        self.free_blocks = {True: [], False: []}  # small pool?: sorted [(size, address, block)]
-        self.addresses = itertools.count(step=1 << 40)  # segments never touch each other
-        self.allocated = self.reserved = 0
-        self.peak_allocated = self.peak_reserved = 0
-
-    def _take_free(self, small, size):
-        pool = self.free_blocks[small]
-        index = bisect.bisect_left(pool, (size, -1))
-        if index == len(pool):
-            return None
-        return pool.pop(index)[2]
-
-    def _put_free(self, block):
-        block.free = True
-        bisect.insort(self.free_blocks[block.small], (block.size, block.address, block))
-
-    def _remove_free(self, block):
-        pool = self.free_blocks[block.small]
-        del pool[bisect.bisect_left(pool, (block.size, block.address))]
-
-    def malloc(self, nbytes):
-        """Allocate `nbytes`; returns the block (keep it to free it)."""
-        size = rounded(nbytes)
-        small = size <= SMALL_REQUEST
-        block = self._take_free(small, size)
-        if block is None:
-            segment = segment_size(size)
-            block = Block(next(self.addresses), segment, small)
-            self.reserved += segment
-            self.peak_reserved = max(self.peak_reserved, self.reserved)
-        remaining = block.size - size
-        if remaining >= ALLOCATION_GRANULE if small else remaining > SMALL_REQUEST:
-            rest = Block(block.address + size, remaining, small, previous=block, following=block.next)
-            if block.next is not None:
-                block.next.previous = rest
-            block.next, block.size = rest, size
-            self._put_free(rest)
-        block.free = False
-        self.allocated += block.size
-        self.peak_allocated = max(self.peak_allocated, self.allocated)
-        return block
-
-    def free(self, block):
-        self.allocated -= block.size
-        for neighbour in (block.previous, block.next):
-            if neighbour is not None and neighbour.free:
-                self._remove_free(neighbour)
-                first, second = (neighbour, block) if neighbour is block.previous else (block, neighbour)
-                first.size += second.size
-                first.next = second.next
-                if second.next is not None:
-                    second.next.previous = first
-                block = first
-        self._put_free(block)

@@ -28,21 +28,25 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
 
-from common import gpu_model
 from common.data import Data
-from common.scripts import import_script
-from common.fake_torch import (FakeModeReadingZeros, device_meshes_made_for_real,
+from common.estimate import gpu_choices
+from common.estimate.allocation_trace import AllocationTrace
+from common.estimate.fake_tensor_patches import (FakeModeReadingZeros, device_meshes_made_for_real,
                                sharding_propagation_apart, swappable_fake_parameters,
                                with_global_peak_only)
+from common.estimate.script_import import import_script
 from common.memory import MemoryMeter
-from common.memory_trace import AllocationTrace
+from common.progress import Progress
 from common.model import vit_config
 
 QUICK_RUN = ["--max-steps", "2", "--epochs", "1"]  # a run's peak falls within two optimizer steps
-COMPUTE_DEVICE = torch.device("cpu")  # fake tensors stand for GPU memory here (see gpu_model.py)
+COMPUTE_DEVICE = torch.device("cpu")  # fake tensors stand for GPU memory here (see gpu_choices.py)
 HOST_DEVICE = torch.device("meta")  # fake host memory, so that `.to(device)` copies as on a GPU
 # training samples per preset's data set, as common/data.py splits them
 TRAIN_SAMPLES = {"digits": 1797 - 360 - 180, "uoft-cs/cifar10": 50000 - 5000}
+
+
+INIT_PROCESS_GROUP = dist.init_process_group  # the real one, for the fake group
 
 
 class EstimateError(Exception):
@@ -79,20 +83,25 @@ class FakeLoader:
                    torch.zeros(self.shape[0], dtype=torch.int64, device=self.host))
 
 
-def silent_progress_class():
-    class SilentProgress:
-        def __init__(self, total_steps, lines=20):
-            self.total_steps = total_steps
+class SilentProgress(Progress):
+    """Progress that counts steps (the script's loop stops on its count) and prints nothing."""
 
-        def step(self, step, epoch, loss):
-            pass
+    def step(self, epoch, loss):
+        self.steps += 1
 
-        def epoch(self, epoch, epochs, val_accuracy):
-            pass
+    def epoch(self, epoch, epochs, val_accuracy):
+        pass
 
-        def loss_values(self):
-            return []
-    return SilentProgress
+    def loss_values(self):
+        return []
+
+
+def device_context_active():
+    """True inside `with torch.device(...)`, as step 06 creates its model (the default device of
+    torch.get_default_device() is the CPU either way, so it cannot tell)."""
+    from torch.overrides import _get_current_function_mode_stack
+    from torch.utils._device import DeviceContext
+    return any(isinstance(mode, DeviceContext) for mode in _get_current_function_mode_stack())
 
 
 def materialise_fake(model, device):
@@ -112,7 +121,7 @@ def materialise_fake(model, device):
 def stand_ins(run, world_size):
     """The replacements for the helpers a script imports by name, keyed by that name."""
     host = HOST_DEVICE if run.emulate_cuda else COMPUTE_DEVICE
-    attention = gpu_model.GPU_ATTENTION if run.emulate_cuda else "sdpa"
+    attention = gpu_choices.GPU_ATTENTION if run.emulate_cuda else "sdpa"
 
     def load_data(preset, batch_size, seed=0, rank=0, world_size=1):
         if preset.dataset not in TRAIN_SAMPLES:
@@ -125,16 +134,16 @@ def stand_ins(run, world_size):
         loader = FakeLoader(preset, batch_size, samples, host, rank, world_size)
         return Data(train=loader, val=loader, test=loader)
 
-    def create_model(preset, device=None, dtype=torch.float32):
-        # no device: the real helper's default, the host (steps 01-05 then call .to(device));
-        # a device: the run's own (steps 06 on create the model on it)
+    def create_model(preset, dtype=torch.float32):
+        # outside a device context: the host (steps 01-05 then call .to(device)); inside one,
+        # the run's own device (steps 06 on create the model on it)
         from transformers import ViTForImageClassification
         if run.emulate_cuda:
-            gpu_model.register_gpu_attention()
+            gpu_choices.register_gpu_attention()
         with torch.device("meta"):  # initialisers read values: build on meta, then swap in fakes
             model = ViTForImageClassification._from_config(
                 vit_config(preset), dtype=dtype, attn_implementation=attention)
-        return materialise_fake(model, host if device is None else COMPUTE_DEVICE)
+        return materialise_fake(model, COMPUTE_DEVICE if device_context_active() else host)
 
     class FakeRunMeter(MemoryMeter):
         """The script's meter; its result stays on this rank (all fake ranks are alike)."""
@@ -154,16 +163,17 @@ def stand_ins(run, world_size):
     def measure_creation(device):
         yield types.SimpleNamespace(peak_bytes=0)
 
-    def report(args, script, memory, init_peak_bytes, train_seconds, test_accuracy, steps,
-               world_size=1, **extra):
+    def report(args, script, creation, meter, progress, test_accuracy):
+        meter.result()
+        world_size = dist.get_world_size() if dist.is_initialized() else 1
         run.record = {"preset": args.preset, "world_size": world_size,
                       "batch_size": args.batch_size, "accum_steps": args.accum_steps,
-                      "steps": steps}
+                      "steps": progress.steps}
         return run.record
 
     def init_distributed(device):
         from torch.testing._internal.distributed.fake_pg import FakeStore
-        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+        INIT_PROCESS_GROUP("fake", store=FakeStore(), rank=0, world_size=world_size)
         return 0, world_size, device
 
     def init_device_mesh(*args, **kwargs):
@@ -176,9 +186,24 @@ def stand_ins(run, world_size):
 
     return {"load_data": load_data, "create_model": create_model,
             "evaluate": lambda *args, **kwargs: float("nan"),
-            "Progress": silent_progress_class(), "MemoryMeter": FakeRunMeter,
+            "Progress": SilentProgress, "MemoryMeter": FakeRunMeter,
             "measure_creation": measure_creation, "report": report,
             "init_distributed": init_distributed, "init_device_mesh": init_device_mesh}
+
+
+@contextmanager
+def process_group_only_through_init_distributed(script_name):
+    """A script that starts a process group itself would wait for processes that never come."""
+    def refuse(*args, **kwargs):
+        raise EstimateError(
+            f"{script_name} calls torch.distributed.init_process_group itself; --estimate can "
+            "only run a script that joins its process group through `init_distributed` "
+            "(from common.distributed import init_distributed), for which it makes a fake group")
+    dist.init_process_group = refuse
+    try:
+        yield
+    finally:
+        dist.init_process_group = INIT_PROCESS_GROUP
 
 
 def offloads_to_host(model):
@@ -212,6 +237,8 @@ def run_on_fake_tensors(script_path, argv, world_size=1):
     emulate_cuda = wants_cuda_emulation(argv)
     run = FakeRun(script=Path(script_path).stem, emulate_cuda=emulate_cuda)
     module = import_script(script_path, prefix="estimated")
+    from common.estimate.contract import check_contract  # it imports EstimateError from here
+    check_contract(module, Path(script_path).name)
     for name, stand_in in stand_ins(run, world_size).items():
         if hasattr(module, name):
             setattr(module, name, stand_in)
@@ -222,8 +249,9 @@ def run_on_fake_tensors(script_path, argv, world_size=1):
         stack.enter_context(swappable_fake_parameters(fake_mode))
         stack.enter_context(device_meshes_made_for_real())
         stack.enter_context(sharding_propagation_apart())
-        stack.enter_context(gpu_model.cuda_optimizer_defaults() if emulate_cuda else nullcontext())
+        stack.enter_context(gpu_choices.cuda_optimizer_defaults() if emulate_cuda else nullcontext())
         stack.enter_context(run.trace.recording())
+        stack.enter_context(process_group_only_through_init_distributed(Path(script_path).name))
         messages = io.StringIO()
         try:
             with redirect_stderr(messages):

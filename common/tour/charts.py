@@ -5,9 +5,9 @@ pyplot nor a display. A value that is missing is left out of the bars and labell
 """
 from matplotlib.figure import Figure
 
-from common.files import atomic_path
+from common.atomic_write import atomic_path
 from common.memory import BREAKDOWN_KEYS
-from common.tour_records import GB, MIB, in_units, shown
+from common.tour.records import GB, MIB, in_units, shown
 
 COLORS = dict(zip(BREAKDOWN_KEYS, ("#4c72b0", "#dd8452", "#55a868", "#c44e52", "#8172b3")))
 UNATTRIBUTED_COLOR = "#bbbbbb"  # a peak whose record has no breakdown

@@ -1,0 +1,28 @@
+"""The GPU-memory estimator: predict a training run's peak GPU memory on a machine without a GPU, in seconds.
+
+  python 03_bf16.py --preset article --batch-size 16 --estimate   # that exact run, on one GPU
+  WORLD_SIZE=4 python 07_fsdp.py --preset article --estimate       # sharded over 4 processes
+  python -m common.estimate             # every numbered script at the article preset: one table
+  python -m common.estimate --preset tiny --device cpu   # no GPU emulation (see below)
+
+Each prediction runs the script's own main() for two optimizer steps (a run's peak falls within
+them) on fake tensors, which have shapes but no data, under the script's own MemoryMeter
+(PyTorch's MemTracker; FSDPMemTracker for sharded steps); only the helpers that need data, a
+network or other processes are stood in for (common/fake_run.py). So a change to a script
+changes its prediction. The order in which the run allocated and freed its tensors is then
+replayed through a model of the CUDA caching allocator (common/gpu_model.py, which also lists
+every choice a GPU makes differently from the CPU) to give what `torch.cuda.max_memory_allocated`
+and `max_memory_reserved` would report, with a breakdown at the allocated peak.
+
+--device cpu switches the GPU emulation off: the CPU's own kernels and optimizer defaults, bytes
+counted exactly as MemoryMeter counts them on the CPU, and reserved = allocated. On the tiny
+preset that equals the peak a real `--device cpu --max-steps 2 --epochs 1` run measures.
+
+Distributed steps (07 on) run as rank 0 of a fake process group: WORLD_SIZE processes for a
+script's own --estimate (1 if unset, as `python 07_fsdp.py` alone), --world-size for the table.
+Both write results/estimate.json (--results-dir): one record per script and setting, updated
+in place, so a single script's estimate keeps the others' records.
+"""
+from common.estimate.predict import estimate, predict
+
+__all__ = ["estimate", "predict"]

@@ -1,0 +1,105 @@
+"""A model of PyTorch's CUDA caching allocator, to turn an allocation order into what
+`torch.cuda.max_memory_allocated` and `max_memory_reserved` would report.
+
+The constants are those of c10/cuda/CUDACachingAllocator.cpp (PyTorch 2.13, default settings).
+"""
+import bisect
+import itertools
+
+ALLOCATION_GRANULE = 512              # kMinBlockSize: every block is a multiple of this
+SMALL_REQUEST = 1 << 20               # kSmallSize: requests up to 1 MiB come from the small pool
+SMALL_SEGMENT = 2 << 20               # kSmallBuffer: small requests share 2 MiB segments
+MEDIUM_SEGMENT = 20 << 20             # kLargeBuffer: requests of 1-10 MiB share 20 MiB segments
+LARGE_REQUEST = 10 << 20              # kMinLargeAlloc: from here a request gets its own segment
+LARGE_ROUNDING = 2 << 20              # kRoundLarge: ... rounded up to a multiple of 2 MiB
+
+
+def rounded(nbytes):
+    """A request's size as the allocator hands it out (at least one granule)."""
+    return max(ALLOCATION_GRANULE, -(-nbytes // ALLOCATION_GRANULE) * ALLOCATION_GRANULE)
+
+
+def segment_size(request):
+    """Bytes the allocator asks the driver for when no cached block fits `request`."""
+    if request <= SMALL_REQUEST:
+        return SMALL_SEGMENT
+    if request < LARGE_REQUEST:
+        return MEDIUM_SEGMENT
+    return -(-request // LARGE_ROUNDING) * LARGE_ROUNDING
+
+
+class Block:
+    __slots__ = ("address", "size", "free", "previous", "next", "small")
+
+    def __init__(self, address, size, small, previous=None, following=None):
+        self.address, self.size, self.small = address, size, small
+        self.free, self.previous, self.next = True, previous, following
+
+
+class CachingAllocatorModel:
+    """PyTorch's CUDA caching allocator (native backend, default settings), one stream.
+
+    Requests are rounded to 512 bytes. Each pool (small: up to 1 MiB; large) keeps its free blocks
+    sorted by size and hands out the smallest that fits, split when the rest is worth keeping
+    (small pool: at least 512 bytes; large pool: over 1 MiB), else whole. With no fitting block
+    it reserves a new segment (2 MiB, 20 MiB, or the request rounded to 2 MiB). Freed blocks
+    merge with free neighbours in their segment; segments are never given back (no empty_cache,
+    and the device is assumed large enough never to force it). `allocated` counts whole blocks,
+    as `memory_allocated` does, so an unsplit block counts with its slack.
+    """
+
+    def __init__(self):
+        self.free_blocks = {True: [], False: []}  # small pool?: sorted [(size, address, block)]
+        self.addresses = itertools.count(step=1 << 40)  # segments never touch each other
+        self.allocated = self.reserved = 0
+        self.peak_allocated = self.peak_reserved = 0
+
+    def _take_free(self, small, size):
+        pool = self.free_blocks[small]
+        index = bisect.bisect_left(pool, (size, -1))
+        if index == len(pool):
+            return None
+        return pool.pop(index)[2]
+
+    def _put_free(self, block):
+        block.free = True
+        bisect.insort(self.free_blocks[block.small], (block.size, block.address, block))
+
+    def _remove_free(self, block):
+        pool = self.free_blocks[block.small]
+        del pool[bisect.bisect_left(pool, (block.size, block.address))]
+
+    def malloc(self, nbytes):
+        """Allocate `nbytes`; returns the block (keep it to free it)."""
+        size = rounded(nbytes)
+        small = size <= SMALL_REQUEST
+        block = self._take_free(small, size)
+        if block is None:
+            segment = segment_size(size)
+            block = Block(next(self.addresses), segment, small)
+            self.reserved += segment
+            self.peak_reserved = max(self.peak_reserved, self.reserved)
+        remaining = block.size - size
+        if remaining >= ALLOCATION_GRANULE if small else remaining > SMALL_REQUEST:
+            rest = Block(block.address + size, remaining, small, previous=block, following=block.next)
+            if block.next is not None:
+                block.next.previous = rest
+            block.next, block.size = rest, size
+            self._put_free(rest)
+        block.free = False
+        self.allocated += block.size
+        self.peak_allocated = max(self.peak_allocated, self.allocated)
+        return block
+
+    def free(self, block):
+        self.allocated -= block.size
+        for neighbour in (block.previous, block.next):
+            if neighbour is not None and neighbour.free:
+                self._remove_free(neighbour)
+                first, second = (neighbour, block) if neighbour is block.previous else (block, neighbour)
+                first.size += second.size
+                first.next = second.next
+                if second.next is not None:
+                    second.next.previous = first
+                block = first
+        self._put_free(block)

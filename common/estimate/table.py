@@ -1,0 +1,178 @@
+"""`python -m common.estimate`: every numbered script's prediction in one table."""
+import argparse
+import gc
+import multiprocessing
+import os
+import re
+import resource
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from pathlib import Path
+
+import common.estimate
+from common.cli import positive_int
+from common.estimate.predict import GB, Row, attempt, in_units, published_gb, save_records, setting
+from common.estimate.published import STUDY_RESERVED_GB
+from common.presets import PRESETS, get_preset
+
+ROOT = Path(__file__).resolve().parents[2]
+STEPS_PLANNED = 9  # the repository's steps are 01 to 09
+
+
+def numbered_scripts():
+    return sorted(ROOT.glob("[0-9][0-9]_*.py"))
+
+
+def is_distributed(script):
+    """Steps that join a process group (07 on): they take a world size."""
+    return "init_distributed" in script.read_text()
+
+
+def default_accum_steps(script):
+    """The --accum-steps default a script gives parse_args (1 when it has no such flag)."""
+    found = re.search(r"accum_steps=(\d+)", script.read_text())
+    return int(found.group(1)) if found else 1
+
+
+def rows_for(script, preset, device, world_size):
+    """The script's default setting, plus every other setting the study published for it."""
+    base = ["--preset", preset, "--device", device]
+    distributed = is_distributed(script)
+    rows = [Row(script, base, world_size if distributed else 1)]
+    default = (get_preset(preset).batch_size, default_accum_steps(script))
+    if preset == "article" and device == "cuda" and not distributed:
+        for (name, batch_size, accum_steps) in STUDY_RESERVED_GB:
+            if name != script.stem or (batch_size, accum_steps) == default:
+                continue
+            flags = ["--batch-size", str(batch_size)]
+            if accum_steps != default[1]:
+                flags += ["--accum-steps", str(accum_steps)]
+            rows.append(Row(script, base + flags))
+    return rows
+
+
+def select_scripts(names):
+    """The numbered scripts matching `names` (prefixes such as 03), or all; notes for the rest."""
+    scripts, notes = numbered_scripts(), []
+    if names:
+        chosen = []
+        for name in names:
+            matches = [script for script in scripts if script.name.startswith(name)]
+            if not matches:
+                have = ", ".join(script.name[:2] for script in scripts)
+                notes.append(f"{name}: no numbered script starts with {name!r} (have: {have})")
+            chosen += [match for match in matches if match not in chosen]
+        return chosen, notes
+    present = {int(script.name[:2]) for script in scripts}
+    notes += [f"{number:02d}: no script in this checkout yet, skipped"
+              for number in range(1, STEPS_PLANNED + 1) if number not in present]
+    return scripts, notes
+
+
+def run_rows(rows, jobs):
+    """Each row's (record, problem, seconds), in order; up to `jobs` rows at a time."""
+    if jobs <= 1 or len(rows) <= 1:
+        return [report_progress(done, rows[done], attempt(row), len(rows))
+                for done, row in enumerate(rows)]
+    import common.estimate.fake_run  # noqa: F401 - imported once here, shared by the forked workers
+    import transformers.models.vit.modeling_vit  # noqa: F401
+    gc.freeze()  # the imported objects never become garbage: keep them out of the collector's way
+    outcomes = [None] * len(rows)
+    # fork: the workers share the imports; the longest rows start first
+    with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("fork")) as pool:
+        pending = {pool.submit(attempt, rows[index]): index for index in
+                   sorted(range(len(rows)), key=lambda index: -expected_work(rows[index]))}
+        for done, future in enumerate(as_completed(pending)):
+            index = pending[future]
+            try:
+                outcome = future.result()
+            except Exception as error:  # noqa: BLE001 - a worker that died takes only its rows
+                outcome = (None, f"the estimating process stopped: {error}", 0.0)
+            outcomes[index] = report_progress(done, rows[index], outcome, len(rows))
+    return outcomes
+
+
+def expected_work(row):
+    """Rough cost of a row, to start the longest first: forward and backward passes run."""
+    accum = row.argv[row.argv.index("--accum-steps") + 1] if "--accum-steps" in row.argv else None
+    passes = int(accum) if accum else default_accum_steps(row.script)
+    return passes * (2 if is_distributed(row.script) else 1)  # sharding doubles the operators
+
+
+def report_progress(done, row, outcome, total):
+    record, problem, seconds = outcome
+    state = f"{in_units(record['allocated_bytes'])} allocated" if record else "failed"
+    print(f"[{done + 1}/{total}] {row.label}: {state} ({seconds:.1f} s)", flush=True)
+    return outcome
+
+
+def table(rows, outcomes):
+    """The Markdown table of all predictions, with the study's figure where there is one."""
+    lines = ["| script | setting | allocated | reserved | study (reserved) | ratio |",
+             "|---|---|---:|---:|---:|---:|"]
+    for row, (record, problem, _) in zip(rows, outcomes):
+        if record is None:
+            flags = " ".join(row.argv) + (f", {row.world_size} processes" if row.world_size > 1 else "")
+            lines.append(f"| {row.script.stem} | {flags} | failed (see the note) | | | |")
+            continue
+        published = published_gb(record)
+        ratio = f"{record['reserved_bytes'] / GB / published:.2f}" if published else ""
+        lines.append(f"| {record['script']} | {setting(record)} | "
+                     f"{in_units(record['allocated_bytes'])} | {in_units(record['reserved_bytes'])} | "
+                     f"{f'{published:.2f} GB' if published else ''} | {ratio} |")
+    return "\n".join(lines)
+
+
+def resources_used():
+    """CPU seconds of this process and its finished workers, and the peak resident memory (GB)
+    of this process and of the largest worker (Linux reports ru_maxrss in KiB)."""
+    own = resource.getrusage(resource.RUSAGE_SELF)
+    workers = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu_seconds = own.ru_utime + own.ru_stime + workers.ru_utime + workers.ru_stime
+    return cpu_seconds, own.ru_maxrss * 1024 / GB, workers.ru_maxrss * 1024 / GB
+
+
+def parse_table_args(argv):
+    parser = argparse.ArgumentParser(
+        prog="python -m common.estimate", description=common.estimate.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="article",
+                        help="default: article (the study's ViT-L/16 setting)")
+    parser.add_argument("--world-size", type=positive_int, default=4,
+                        help="processes (GPUs) for the distributed steps, 07 on (default: 4)")
+    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
+                        help="cuda: predict a GPU (default); cpu: no emulation, as a CPU run counts")
+    parser.add_argument("--scripts", nargs="+", metavar="NN",
+                        help="only these steps, e.g. --scripts 01 03 (default: all)")
+    parser.add_argument("--jobs", type=positive_int, default=min(2, os.cpu_count() or 1),
+                        help="estimates run at once, one process each (default: 2)")
+    parser.add_argument("--results-dir", default="results", help="where estimate.json goes")
+    return parser.parse_args(argv)
+
+
+def main(argv=None):
+    """`python -m common.estimate`: every numbered script, one table; returns the exit status."""
+    start = time.perf_counter()
+    args = parse_table_args(argv)
+    scripts, notes = select_scripts(args.scripts)
+    if not scripts:
+        raise SystemExit("error: nothing to estimate.\n" + "\n".join(f"  {note}" for note in notes))
+    rows = [row for script in scripts
+            for row in rows_for(script, args.preset, args.device, args.world_size)]
+    outcomes = run_rows(rows, args.jobs)
+    records = [record for record, _, _ in outcomes if record]
+    print("\n" + table(rows, outcomes))
+    for row, (_, problem, _) in zip(rows, outcomes):
+        if problem:
+            notes.append(f"{row.label}: {problem}")
+    for note in notes:
+        print(f"note: {note}")
+    if records:
+        print(f"records: {save_records(args.results_dir, records)}")
+    cpu_seconds, own, workers = resources_used()
+    print(f"wall time {time.perf_counter() - start:.1f} s (CPU {cpu_seconds:.1f} s, "
+          f"{args.jobs} at a time); peak memory (RSS) {own:.2f} GB in this process"
+          + (f", {workers:.2f} GB in the largest worker" if workers else ""))
+    return 1 if any(problem for _, problem, _ in outcomes) else 0
+

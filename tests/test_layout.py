@@ -1,0 +1,185 @@
+"""The repository's promises about its own shape.
+
+- Each step's diff from its predecessor shows its technique: every block of lines it changes
+  opens with that step's tag (README: "Reading a diff").
+- A numbered script copied with only the files the README names runs as it is.
+"""
+import ast
+import difflib
+import io
+import re
+import shutil
+import subprocess
+import sys
+import tokenize
+
+import pytest
+
+from conftest import QUICK, ROOT, script_path
+
+# the tag each step puts on the lines it adds (also listed in the README)
+TAGS = {"02": "mixed precision", "03": "bf16-true", "04": "gradient accumulation",
+        "05": "plain SGD", "06": "on-device init", "07": "FSDP", "08": "offload",
+        "09": "checkpointing"}
+# 03 replaces 02's mixed precision: the lines it gives back to 01 need no tag of their own
+RESTORED_FROM = {"03": "01"}
+
+
+def comments(source):
+    """{line number: comment text without the '#'} for every comment in `source`."""
+    found = {}
+    for token in tokenize.generate_tokens(io.StringIO(source).readline):
+        if token.type == tokenize.COMMENT:
+            found[token.start[0]] = token.string.lstrip("#").strip()
+    return found
+
+
+def has_tag(comment, tag):
+    """A comment carries tags in front of its first colon: `# FSDP: ...`, `# offload, FSDP: ...`."""
+    if comment is None:
+        return False
+    return tag in [part.strip() for part in comment.split(":", 1)[0].split(",")]
+
+
+def code_lines(source):
+    """The lines of `source` with the module docstring blanked (it names its own script)."""
+    lines = source.splitlines()
+    docstring = ast.parse(source).body[0]
+    for index in range(docstring.lineno - 1, docstring.end_lineno):
+        lines[index] = ""
+    return lines
+
+
+def is_import(line):
+    return re.match(r"\s*(import |from \S+ import )", line) is not None
+
+
+def untagged_blocks(before, after, step, restored=()):
+    """Blocks of lines `after` changes from `before` that do not open with `step`'s tag.
+
+    A block is a run of consecutive changed lines (blank lines and imports do not count); it
+    must open with a line whose comment starts with the tag, which then covers the run.
+    Lines in `restored` (a script whose lines the step gives back) need no tag.
+    Returns [(line number, line)] of each failing block's first line.
+    """
+    tag, notes = TAGS[step], comments(after)
+    old, new = code_lines(before), code_lines(after)
+    changed = set()
+    for kind, _, _, first, last in difflib.SequenceMatcher(None, old, new, autojunk=False).get_opcodes():
+        if kind in ("replace", "insert"):
+            changed.update(range(first, last))
+    failures, covered = [], False
+    for index, line in enumerate(new):
+        if not line.strip() or is_import(line) or line in restored:
+            continue
+        if index not in changed:
+            covered = False
+            continue
+        if has_tag(notes.get(index + 1), tag):
+            covered = True
+        elif not covered:
+            failures.append((index + 1, line.strip()))
+            covered = True  # one failure per block
+    return failures
+
+
+def dropped_tags(before, after, step):
+    """Earlier steps' tags on lines `after` changes, that no changed line of `after` keeps."""
+    old_notes, new_notes = comments(before), comments(after)
+    old, new = code_lines(before), code_lines(after)
+    lost = []
+    for kind, old_first, old_last, first, last in difflib.SequenceMatcher(
+            None, old, new, autojunk=False).get_opcodes():
+        if kind == "equal":
+            continue
+        for earlier_step, tag in TAGS.items():
+            if earlier_step >= step or (step, earlier_step) == ("03", "02"):
+                continue  # 03 removes mixed precision on purpose
+            removed = sum(has_tag(old_notes.get(n + 1), tag) for n in range(old_first, old_last))
+            kept = sum(has_tag(new_notes.get(n + 1), tag) for n in range(first, last))
+            if kept < removed:
+                lost.append((tag, old[old_first:old_last]))
+    return lost
+
+
+STEP_PAIRS = [(f"{n:02d}", f"{n + 1:02d}") for n in range(1, 9)]
+
+
+@pytest.mark.parametrize("previous, step", STEP_PAIRS)
+def test_every_changed_block_opens_with_its_steps_tag(previous, step):
+    before, after = script_path(previous).read_text(), script_path(step).read_text()
+    restored = set(code_lines(script_path(RESTORED_FROM[step]).read_text())) if step in RESTORED_FROM else set()
+    assert untagged_blocks(before, after, step, restored) == []
+
+
+@pytest.mark.parametrize("previous, step", STEP_PAIRS)
+def test_a_line_keeps_the_tag_of_the_step_that_introduced_it(previous, step):
+    before, after = script_path(previous).read_text(), script_path(step).read_text()
+    assert dropped_tags(before, after, step) == []
+
+
+def test_the_tag_checks_catch_an_untagged_line_and_a_retagged_one():
+    before, after = script_path("07").read_text(), script_path("08").read_text()
+    sneaked = after.replace("    model.train()\n", "    model.train()\n    torch.set_num_threads(1)\n")
+    assert untagged_blocks(before, sneaked, "08") == [(sneaked.splitlines().index(
+        "    torch.set_num_threads(1)") + 1, "torch.set_num_threads(1)")]
+    retagged = after.replace("  # FSDP: one process per device", "  # offload: one process per device")
+    assert retagged != after and dropped_tags(before, retagged, "08")
+
+
+def test_the_readme_lists_every_tag():
+    readme = (ROOT / "README.md").read_text()
+    for tag in TAGS.values():
+        assert f"`# {tag}`" in readme, tag
+
+
+def files_a_copy_needs():
+    """The files the README's "Copying a script" section names, and the note on 07-09's extra."""
+    readme = (ROOT / "README.md").read_text()
+    section = readme.split("## Copying a script", 1)[1].split("\n## ", 1)[0]
+    block = section.split("```text", 1)[1].split("```", 1)[0]
+    files = {}
+    for line in block.strip().splitlines():
+        path, _, note = line.partition(" ")
+        files[path] = note.strip()
+    return files
+
+
+def test_the_readme_names_no_estimator_or_tour_file_for_a_copy():
+    files = files_a_copy_needs()
+    assert "common/summary.py" in files and "common/cli.py" in files
+    assert not [path for path in files if path.startswith(("common/estimate", "common/tour"))]
+
+
+def copy_with(tmp_path, script, files):
+    target = tmp_path / "project"
+    for relative in [script_path(script).name, *files]:
+        (target / relative).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(ROOT / relative, target / relative)
+    return target
+
+
+def run_copy(target, script, *flags):
+    name = script_path(script).name
+    return subprocess.run([sys.executable, name, *flags], cwd=target, capture_output=True,
+                          text=True, timeout=300, env={"PATH": "", "HOME": str(target)})
+
+
+@pytest.mark.parametrize("script", ["04", "09"])
+def test_a_copied_script_runs_with_only_the_files_the_readme_names(script, tmp_path):
+    files = files_a_copy_needs()
+    if script < "07":  # the README marks what only 07-09 need
+        files = {path: note for path, note in files.items() if "07-09" not in note}
+    target = copy_with(tmp_path, script, files)
+    done = run_copy(target, script, *QUICK, "--device", "cpu", "--results-dir", "results")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert (target / "results" / f"{script_path(script).stem}.json").is_file()
+    copied = {path.relative_to(target).as_posix() for path in target.rglob("*.py")}
+    assert not [path for path in copied if path.startswith(("common/estimate", "common/tour"))]
+
+
+def test_a_copy_without_the_estimator_says_what_estimate_needs(tmp_path):
+    target = copy_with(tmp_path, "04", files_a_copy_needs())
+    done = run_copy(target, "04", "--estimate")
+    assert done.returncode == 2
+    assert "common/estimate/" in done.stderr and "Traceback" not in done.stderr
