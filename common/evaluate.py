@@ -3,9 +3,19 @@ import torch
 import torch.distributed as dist
 
 
+class Accuracy(float):
+    """A fraction of correct predictions that knows how many samples it counted (`.samples`),
+    so that a report can say how precise it is."""
+
+    def __new__(cls, fraction, samples):
+        accuracy = super().__new__(cls, fraction)
+        accuracy.samples = samples
+        return accuracy
+
+
 @torch.no_grad()
 def evaluate(model, loader, device, dtype=None):
-    """Fraction of correct predictions; `dtype` casts the images to the model's dtype."""
+    """Fraction of correct predictions (an Accuracy); `dtype` casts the images to the model's dtype."""
     was_training = model.training
     model.eval()
     counts = torch.zeros(2, dtype=torch.float64, device=device)  # correct, seen
@@ -17,4 +27,5 @@ def evaluate(model, loader, device, dtype=None):
     if dist.is_available() and dist.is_initialized():
         dist.all_reduce(counts)
     model.train(was_training)
-    return (counts[0] / counts[1]).item() if counts[1] else float("nan")
+    correct, seen = counts.tolist()
+    return Accuracy(correct / seen if seen else float("nan"), int(seen))

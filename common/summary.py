@@ -32,7 +32,8 @@ def report(args, script, creation, meter, progress, test_accuracy):
         **memory,
         "init_peak_memory_bytes": creation.peak_bytes,
         "train_seconds": round(train_seconds, 3),
-        "test_accuracy": test_accuracy,
+        "test_accuracy": float(test_accuracy),
+        "test_samples": getattr(test_accuracy, "samples", None),  # how precise the accuracy is
         "steps": progress.steps,
         "epochs": args.epochs,
         "seed": args.seed,

@@ -22,6 +22,7 @@ def test_every_step_runs_and_writes_its_record(name, quick_records, tmp_path):
     assert RECORD_FIELDS <= record.keys()
     assert record["steps"] == 2 and record["preset"] == "tiny" and record["device"] == "cpu"
     assert 0.0 <= record["test_accuracy"] <= 1.0
+    assert record["test_samples"] == 360  # the digits' test split, for the accuracy's interval
     assert record["peak_memory_bytes"] > 0
     assert sum(record["breakdown_bytes"].values()) == record["peak_memory_bytes"]
 

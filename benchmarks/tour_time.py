@@ -1,0 +1,56 @@
+"""Benchmark: the README's main command, `python -m common.tour`, end to end.
+
+  python benchmarks/tour_time.py [--results-dir /tmp/tour-benchmark] [-- extra tour flags]
+
+Runs the tour as a user would (a fresh process, the default preset) into a results directory
+of its own, then prints what its targets are about: the whole command's wall time (target: at
+most 8 minutes on 2 cores), each step's share of it, and 01's test accuracy (target: at least
+93%). It only prints: wall time depends on the machine and on what else runs on it, so the load
+average before the run is printed beside it.
+"""
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+TARGET_SECONDS, TARGET_ACCURACY = 8 * 60, 0.93
+
+
+def verdict(met):
+    return "target met" if met else "target NOT met"
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--results-dir", default="/tmp/tour-benchmark")
+    parser.add_argument("tour_flags", nargs="*", help="passed to python -m common.tour")
+    args = parser.parse_args()
+
+    load_before = os.getloadavg()[0]
+    start = time.perf_counter()
+    done = subprocess.run([sys.executable, "-m", "common.tour", "--results-dir", args.results_dir,
+                           *args.tour_flags], cwd=ROOT, stdout=subprocess.DEVNULL)
+    seconds = time.perf_counter() - start
+    results = Path(args.results_dir)
+    tour = json.loads((results / "tour.json").read_text())
+
+    print("== benchmark: python -m common.tour ==")
+    for outcome in [*tour["steps"], tour["estimate"]]:
+        wall = outcome.get("wall_seconds")
+        share = f"{wall:7.1f} s  {wall / seconds:5.1%}" if wall is not None else "    n/a"
+        print(f"{outcome['script']:<30} {share}  {outcome['status']}")
+    print(f"{'whole command':<30} {seconds:7.1f} s  (load average before {load_before:.1f} on "
+          f"{os.cpu_count()} cores)  {verdict(seconds <= TARGET_SECONDS)}")
+    baseline = json.loads((results / "01_baseline.json").read_text())
+    print(f"01_baseline test accuracy      {baseline['test_accuracy']:.1%}  "
+          f"{verdict(baseline['test_accuracy'] >= TARGET_ACCURACY)}")
+    return done.returncode
+
+
+if __name__ == "__main__":
+    sys.exit(main())
