@@ -49,7 +49,7 @@ def train(args, device):
     preset = get_preset(args.preset)
     torch.manual_seed(args.seed)
 
-    data = load_data(preset, args.batch_size, seed=args.seed)
+    data = load_data(preset, args.batch_size, device, seed=args.seed)
     total_steps = args.epochs * len(data.train)  # optimizer steps; the last partial batch is dropped
     if args.max_steps:
         total_steps = min(total_steps, args.max_steps)

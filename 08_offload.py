@@ -60,7 +60,8 @@ def train(args, device):
     torch.manual_seed(args.seed)  # FSDP: every process builds the same model, then keeps a shard
 
     rank, world_size = dist.get_rank(), dist.get_world_size()  # FSDP: each process takes its slice
-    data = load_data(preset, args.batch_size, seed=args.seed, rank=rank, world_size=world_size)
+    data = load_data(preset, args.batch_size, device, seed=args.seed,
+                     rank=rank, world_size=world_size)
     total_steps = args.epochs * len(data.train)  # optimizer steps; the last partial batch is dropped
     if args.max_steps:
         total_steps = min(total_steps, args.max_steps)

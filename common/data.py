@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import BatchSampler, DataLoader, RandomSampler, SequentialSampler
 
-from common.hub import require_hub
+from common.hub import from_cache_when_offline, require_hub
 
 SPLIT_SEED = 0  # the train/validation/test split never depends on --seed
 
@@ -49,7 +49,8 @@ def cifar10_datasets(name, image_size=224):
     import datasets
 
     require_hub(f"the data set {name}")
-    cifar = datasets.load_dataset(name)
+    with from_cache_when_offline(f"the data set {name}"):
+        cifar = datasets.load_dataset(name)
     train_val = cifar["train"].train_test_split(test_size=5000, seed=SPLIT_SEED)
 
     def to_tensors(batch):
@@ -82,7 +83,8 @@ def as_pair(batch):
     return batch["pixel_values"], batch["label"]
 
 
-def make_loader(dataset, batch_size, shuffle, seed=0, rank=0, world_size=1, num_workers=0):
+def make_loader(dataset, batch_size, shuffle, seed=0, rank=0, world_size=1, num_workers=0,
+                pin_memory=False):
     """Batches of whole global batches (sliced per process); training drops the last partial batch."""
     if shuffle and batch_size > len(dataset):
         raise SystemExit(f"error: --batch-size {batch_size} is larger than the {len(dataset)} "
@@ -103,18 +105,21 @@ def make_loader(dataset, batch_size, shuffle, seed=0, rank=0, world_size=1, num_
     # batch_size=None: the sampler yields index lists and the Dataset returns whole batches
     return DataLoader(dataset, sampler=batches, batch_size=None, collate_fn=as_pair,
                       num_workers=num_workers, persistent_workers=num_workers > 0,
-                      pin_memory=torch.cuda.is_available())  # pinned: faster copies to a GPU
+                      pin_memory=pin_memory)
 
 
-def load_data(preset, batch_size, seed=0, rank=0, world_size=1):
-    """Loaders for one process: `batch_size` is the global batch, split across `world_size` ranks."""
+def load_data(preset, batch_size, device, seed=0, rank=0, world_size=1):
+    """Loaders for one process training on `device`: `batch_size` is the global batch, split
+    across `world_size` ranks. Batches are pinned only for a CUDA device (faster copies to it);
+    pinning creates a CUDA context, which a CPU run on a GPU machine must not."""
     if preset.dataset == "digits":
         train, val, test = digits_datasets(preset.image_size)
         workers = 0
     else:
         train, val, test = cifar10_datasets(preset.dataset, preset.image_size)
         workers = 4
-    common = dict(rank=rank, world_size=world_size, num_workers=workers)
+    common = dict(rank=rank, world_size=world_size, num_workers=workers,
+                  pin_memory=torch.device(device).type == "cuda")
     return Data(train=make_loader(train, batch_size, shuffle=True, seed=seed, **common),
                 val=make_loader(val, batch_size, shuffle=False, **common),
                 test=make_loader(test, batch_size, shuffle=False, **common))

@@ -10,6 +10,22 @@ import torch
 import torch.distributed as dist
 
 
+def cuda_index(local_rank, visible):
+    """The GPU for the process with this local rank when it sees `visible` GPUs.
+
+    torchrun shows every process all of the machine's GPUs: process N takes GPU N. A launcher
+    that shows each process only its own GPU (CUDA_VISIBLE_DEVICES per process) leaves one
+    visible: that one.
+    """
+    if visible == 1:
+        return 0
+    if local_rank >= visible:
+        raise SystemExit(f"error: process {local_rank} on this machine has no GPU of its own: "
+                         f"{visible} visible; start at most that many processes per machine "
+                         "(torchrun --nproc_per_node), or show each process one GPU")
+    return local_rank
+
+
 def init_distributed(device):
     """Join the process group; returns (rank, world_size, this process's device).
 
@@ -17,13 +33,9 @@ def init_distributed(device):
     numbered by its local rank (its rank on this machine) and talks over nccl; on CPU over gloo.
     """
     launched_by_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
     if device.type == "cuda":
-        if local_rank >= torch.cuda.device_count():
-            raise SystemExit(f"process {local_rank} on this machine has no GPU of its own: "
-                             f"{torch.cuda.device_count()} visible; start at most that many "
-                             "processes per machine (torchrun --nproc_per_node)")
-        device = torch.device("cuda", local_rank)
+        device = torch.device("cuda", cuda_index(int(os.environ.get("LOCAL_RANK", 0)),
+                                                 torch.cuda.device_count()))
         torch.cuda.set_device(device)  # collectives and default allocations go to this GPU
     backend = "nccl" if device.type == "cuda" else "gloo"
     device_id = device if device.type == "cuda" else None  # binds nccl to this GPU at once

@@ -2,7 +2,7 @@
 import torch
 from transformers import ViTConfig, ViTForImageClassification
 
-from common.hub import require_hub
+from common.hub import from_cache_when_offline, require_hub
 
 
 def vit_config(preset):
@@ -18,9 +18,10 @@ def create_model(preset, dtype=torch.float32):
     if preset.model is None:  # train from scratch
         return ViTForImageClassification._from_config(vit_config(preset), dtype=dtype)
     require_hub(f"the pretrained model {preset.model}")
-    return ViTForImageClassification.from_pretrained(
-        preset.model, num_labels=preset.num_classes, ignore_mismatched_sizes=True,  # new 10-class head
-        dtype=dtype, device_map=torch.get_default_device())  # with its index: cuda:N, not "cuda"
+    with from_cache_when_offline(f"the pretrained model {preset.model}"):
+        return ViTForImageClassification.from_pretrained(
+            preset.model, num_labels=preset.num_classes, ignore_mismatched_sizes=True,  # new head
+            dtype=dtype, device_map=torch.get_default_device())  # with its index: cuda:N, not "cuda"
 
 
 def transformer_blocks(model):

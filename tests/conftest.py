@@ -3,13 +3,21 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from common.estimate.script_import import import_script  # noqa: E402 (needs the path above)
 
-QUICK = ["--epochs", "1", "--max-steps", "2"]  # the memory peak is reached within two steps
+# Tests that check what a CPU run counts pin the CPU, also on a machine with CUDA; the tests
+# that only a GPU can answer are marked `requires_cuda` and skipped, with the reason, elsewhere.
+CPU = ["--device", "cpu"]
+QUICK = ["--epochs", "1", "--max-steps", "2", *CPU]  # the memory peak is reached within two steps
+requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(),
+                                   reason="needs a CUDA GPU; this machine has none")
+requires_two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2,
+                                       reason="needs 2 CUDA GPUs; this machine has fewer")
 
 
 def script_path(name):
@@ -41,7 +49,8 @@ def run_script(name, args, results_dir, module=None):
             captured.meter = self
 
     module.MemoryMeter = CapturingMeter
-    record = module.main([*args, "--results-dir", str(results_dir)])
+    device = [] if "--device" in args else CPU  # a CPU run unless the test asks otherwise
+    record = module.main([*args, *device, "--results-dir", str(results_dir)])
     return record, captured.meter
 
 

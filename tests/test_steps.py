@@ -1,6 +1,9 @@
 """Steps 01-06 on the tiny preset: each runs, and each technique does what it claims."""
 import json
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -8,7 +11,7 @@ import torch
 from common import hub
 from common.model import create_model
 from common.presets import get_preset
-from conftest import QUICK, ROOT, load_script, run_script
+from conftest import QUICK, ROOT, load_script, run_script, script_path
 
 SINGLE_DEVICE_STEPS = ["01", "02", "03", "04", "05", "06"]
 RECORD_FIELDS = {"script", "preset", "device", "world_size", "batch_size", "accum_steps",
@@ -185,3 +188,44 @@ def test_article_preset_offline_fails_at_once_naming_what_and_pointing_to_tiny(m
 def test_hub_check_answers_quickly_when_nothing_listens(monkeypatch):
     monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # discard port: refused at once
     assert hub.hub_reachable(timeout=2.0) is False
+
+
+def test_batches_are_pinned_only_for_a_cuda_device():
+    """Pinning creates a CUDA context: a --device cpu run on a GPU machine must not pin."""
+    from common.data import load_data
+    preset = get_preset("tiny")
+    assert not load_data(preset, 64, torch.device("cpu")).train.pin_memory
+    assert load_data(preset, 64, torch.device("cuda")).train.pin_memory  # built, never iterated
+
+
+@pytest.mark.parametrize("local_rank, visible, index", [(0, 1, 0), (3, 1, 0), (1, 2, 1), (7, 8, 7)])
+def test_each_process_takes_its_own_gpu_or_the_one_it_sees(local_rank, visible, index):
+    from common.distributed import cuda_index
+    assert cuda_index(local_rank, visible) == index
+
+
+def test_more_processes_than_gpus_stop_with_a_message():
+    from common.distributed import cuda_index
+    with pytest.raises(SystemExit, match="process 2 on this machine has no GPU of its own: 2"):
+        cuda_index(2, 2)
+
+
+def test_offline_with_nothing_cached_says_what_is_missing_and_how_to_get_it(tmp_path):
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "empty-cache")}
+    done = subprocess.run([sys.executable, str(script_path("01")), "--preset", "article",
+                           "--device", "cpu", "--results-dir", str(tmp_path)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr[-2000:]
+    assert "uoft-cs/cifar10 is not in this machine's Hugging Face cache" in done.stderr
+    assert "without HF_HUB_OFFLINE=1" in done.stderr and "--preset tiny" in done.stderr
+
+
+def test_offline_model_not_cached_is_named(monkeypatch):
+    from common import model
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+
+    def not_cached(*args, **kwargs):
+        raise OSError("We couldn't connect to 'https://huggingface.co' to load the files")
+    monkeypatch.setattr(model.ViTForImageClassification, "from_pretrained", not_cached)
+    with pytest.raises(SystemExit, match="google/vit-large-patch16-224 is not in this machine's"):
+        model.create_model(get_preset("article"))

@@ -123,7 +123,7 @@ def stand_ins(run, world_size):
     host = HOST_DEVICE if run.emulate_cuda else COMPUTE_DEVICE
     attention = gpu_choices.GPU_ATTENTION if run.emulate_cuda else "sdpa"
 
-    def load_data(preset, batch_size, seed=0, rank=0, world_size=1):
+    def load_data(preset, batch_size, device=None, seed=0, rank=0, world_size=1):
         if preset.dataset not in TRAIN_SAMPLES:
             raise EstimateError(f"no sample count known for the data set {preset.dataset!r}; "
                                 f"add it to TRAIN_SAMPLES in {Path(__file__).name}")
