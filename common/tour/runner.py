@@ -4,7 +4,9 @@
   python -m common.tour --steps 01 03 --max-steps 2 --epochs 1 --skip-estimate   # a quick look
   python -m common.tour --publish docs   # also copy the tables and charts to docs/ for the README
 
-Steps from 07 on shard across processes and run under torchrun with 2 processes (on CPU, gloo).
+Steps from 07 on shard across processes and run under torchrun: with 2 GPUs or more, one
+process per GPU (at most --nproc); with fewer, 2 processes on the CPU (gloo), since a sharded
+step needs one device per process. The choice is printed and shown in the table.
 Each step's output streams as it runs. A step that fails (non-zero exit, or no JSON record) is
 shown as failed in the table with the end of its stderr, and the others still run; the command
 then exits with status 1.
@@ -36,7 +38,7 @@ from common.tour.report import (ESTIMATE_CHART, ESTIMATE_TABLE, REPORT_FILES, TO
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT_PATTERN = "[0-9][0-9]_*.py"
 FIRST_DISTRIBUTED_STEP = 7  # 07_fsdp and after shard the model across processes
-PROCESSES = 2
+CPU_PROCESSES = 2  # without 2 GPUs the sharded steps run as this many CPU processes
 ESTIMATE_MODULE = "common.estimate"
 STEP_TIMEOUT = 3 * 3600  # seconds; an article-preset step on one GPU takes well under an hour
 ERROR_LINES = 20  # how much of a failed step's stderr the report keeps
@@ -74,10 +76,37 @@ def select_scripts(scripts, wanted, parser):
     return [script for script in scripts if script in chosen]
 
 
-def script_step(script, results_dir, passed_flags):
+@dataclass
+class Launch:
+    """How the sharded steps start: `processes` under torchrun, each on `device`."""
+    processes: int
+    device: str
+    reason: str
+
+
+def sharded_launch(gpu_count, nproc=None, device="auto"):
+    """The processes and device for steps 07 on, on a machine with `gpu_count` visible GPUs.
+
+    One process per GPU needs at least 2 GPUs to shard anything; `nproc` caps the count.
+    With fewer GPUs, or with --device cpu, 2 CPU processes (gloo) show the same technique.
+    """
+    if device == "cpu" or (device == "auto" and gpu_count < 2):
+        why = ("--device cpu" if device == "cpu" else
+               f"{gpu_count} GPU{'s' if gpu_count != 1 else ''} visible; sharding needs one per "
+               "process and at least 2")
+        return Launch(nproc or CPU_PROCESSES, "cpu", f"{why}: {nproc or CPU_PROCESSES} CPU processes")
+    if gpu_count < 2:
+        raise ValueError(f"--device cuda with {gpu_count} GPU(s): the sharded steps need at "
+                         "least 2; use --device auto or cpu")
+    processes = min(gpu_count, nproc) if nproc else gpu_count
+    return Launch(processes, "cuda", f"{gpu_count} GPUs visible: {processes} processes, one per GPU")
+
+
+def script_step(script, results_dir, passed_flags, launch):
     if int(script.name[:2]) >= FIRST_DISTRIBUTED_STEP:
         launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone",  # a free port
-                    f"--nproc_per_node={PROCESSES}"]
+                    f"--nproc_per_node={launch.processes}"]
+        passed_flags = [*passed_flags, "--device", launch.device]
     else:
         launcher = [sys.executable]
     command = [*launcher, str(script), "--results-dir", str(results_dir), *passed_flags]
@@ -211,6 +240,12 @@ def parse_args(argv=None, scripts=()):
     parser.add_argument("--max-steps", type=positive_int,
                         help="passed to every script: stop after this many optimizer steps")
     parser.add_argument("--epochs", type=positive_int, help="passed to every script")
+    parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
+                        help="passed to every script (auto: each script's own choice, and the "
+                             "sharded steps on GPUs only when there are 2 or more)")
+    parser.add_argument("--nproc", type=positive_int, metavar="N",
+                        help="at most this many processes for the sharded steps (default: one per "
+                             f"GPU with 2 GPUs or more, else {CPU_PROCESSES} on the CPU)")
     parser.add_argument("--skip-estimate", action="store_true",
                         help="do not run the GPU estimate (python -m common.estimate)")
     parser.add_argument("--step-timeout", type=positive_int, default=STEP_TIMEOUT, metavar="S",
@@ -223,7 +258,13 @@ def parse_args(argv=None, scripts=()):
     if not args.scripts:
         parser.error(f"no numbered scripts ({SCRIPT_PATTERN}) found")
     args.passed_flags = [*(["--max-steps", str(args.max_steps)] if args.max_steps else []),
-                         *(["--epochs", str(args.epochs)] if args.epochs else [])]
+                         *(["--epochs", str(args.epochs)] if args.epochs else []),
+                         *(["--device", args.device] if args.device != "auto" else [])]
+    import torch  # only here: the rest of the tour runs without it
+    try:
+        args.launch = sharded_launch(torch.cuda.device_count(), args.nproc, args.device)
+    except ValueError as error:
+        parser.error(str(error))
     return args
 
 
@@ -235,7 +276,10 @@ def main(argv=None, scripts_dir=ROOT):
     results_dir.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=".tour-", dir=results_dir))
     try:
-        steps = [script_step(script, staging, args.passed_flags) for script in args.scripts]
+        steps = [script_step(script, staging, args.passed_flags, args.launch)
+                 for script in args.scripts]
+        if any(int(script.name[:2]) >= FIRST_DISTRIBUTED_STEP for script in args.scripts):
+            print(f"sharded steps: {args.launch.reason}", flush=True)
         estimate = None if args.skip_estimate else estimate_step(staging)
         total = len(steps) + (estimate is not None)
         outcomes = [run_step(step, staging, f"[{number}/{total}]", args.step_timeout)
@@ -247,7 +291,8 @@ def main(argv=None, scripts_dir=ROOT):
                       else f"this checkout has no {ESTIMATE_MODULE} module")
             estimate_outcome = {"script": "estimate", "status": "skipped", "error": reason}
         write_json_atomically(staging / TOUR_FILE, {
-            "steps": outcomes, "estimate": estimate_outcome, "passed_flags": args.passed_flags})
+            "steps": outcomes, "estimate": estimate_outcome, "passed_flags": args.passed_flags,
+            "sharded_launch": vars(args.launch)})
         report_text = write_report(staging)
         report_names = [name for name in REPORT_FILES if (staging / name).is_file()]
         responsible_for = [TOUR_FILE, TOUR_TABLE, TOUR_CHART, *(step.output for step in steps)]
