@@ -17,6 +17,7 @@ ESTIMATE_FILE = "estimate.json"
 RECORD_PATTERN = "[0-9][0-9]_*.json"  # the numbered scripts' records
 MIB = 2**20  # the tour's measurements
 GB = 10**9   # the study published decimal gigabytes
+Z_95 = 1.959964  # the standard normal's 97.5th percentile: a two-sided 95% interval
 
 
 def finite(value):
@@ -34,6 +35,22 @@ def shown(value, spec, suffix=""):
 def in_units(value, unit):
     """`value` divided by `unit` (bytes by MIB, a fraction by 0.01 for percent), or None."""
     return None if value is None else value / unit
+
+
+def wilson_interval(proportion, trials, z=Z_95):
+    """The Wilson score interval (low, high) around a proportion measured over `trials` samples.
+
+    Chosen over the textbook normal interval p +/- z*sqrt(p(1-p)/n) because that one collapses to
+    zero width at 0% and 100% and can leave [0, 1]; Wilson's stays inside [0, 1] and keeps a
+    sensible width at the extremes, which is where accuracies on small test sets often sit.
+    """
+    z2_over_n = z * z / trials
+    centre = (proportion + z2_over_n / 2) / (1 + z2_over_n)
+    half_width = (z / (1 + z2_over_n)
+                  * math.sqrt(proportion * (1 - proportion) / trials + z2_over_n / (4 * trials)))
+    # it always contains the proportion; the clamps only undo float rounding at 0% and 100%
+    return (max(0.0, min(proportion, centre - half_width)),
+            min(1.0, max(proportion, centre + half_width)))
 
 
 def read_json(path):
@@ -60,15 +77,38 @@ class StepRow:
     breakdown_bytes: dict = field(default_factory=lambda: dict.fromkeys(BREAKDOWN_KEYS))
     train_seconds: float | None = None
     test_accuracy: float | None = None
+    test_samples: int | None = None  # how many test images the accuracy was measured on
+
+    def accuracy_interval(self):
+        """The 95% interval (low, high) of the test accuracy, or None without accuracy or count.
+
+        An accuracy from a few hundred images is itself uncertain; without the interval a reader
+        cannot tell a real change of accuracy between steps from the luck of the test draw.
+        """
+        if self.test_accuracy is None or not 0 <= self.test_accuracy <= 1 or not self.test_samples:
+            return None
+        return wilson_interval(self.test_accuracy, self.test_samples)
+
+
+def breakdown_of(record):
+    """A record's `breakdown_bytes` with every category present: a number, or None if missing."""
+    breakdown = record.get("breakdown_bytes")
+    breakdown = breakdown if isinstance(breakdown, dict) else {}
+    return {key: finite(breakdown.get(key)) for key in BREAKDOWN_KEYS}
+
+
+def whole_number(record, name):
+    """`record[name]` as an int, or None when it is missing or not a finite number."""
+    value = finite(record.get(name))
+    return int(value) if value is not None else None
 
 
 def step_row(script, record, outcome=None):
     """Join a script's record (a dict, or None if it wrote none) with how its tour step ended."""
     outcome = outcome or {}
     record = record if isinstance(record, dict) else {}
-    breakdown = record.get("breakdown_bytes")
-    breakdown = breakdown if isinstance(breakdown, dict) else {}
-    world_size = finite(record.get("world_size"))
+    world_size = whole_number(record, "world_size")
+    test_samples = whole_number(record, "test_samples")
     return StepRow(
         script=script,
         ok=outcome.get("status", "ok") == "ok",
@@ -76,11 +116,12 @@ def step_row(script, record, outcome=None):
         error_lines=list(outcome.get("error_lines") or []),
         preset=record.get("preset"),
         device=record.get("device"),
-        world_size=int(world_size) if world_size else None,
+        world_size=world_size or None,
         peak_bytes=finite(record.get("peak_memory_bytes")),  # the highest over processes
-        breakdown_bytes={key: finite(breakdown.get(key)) for key in BREAKDOWN_KEYS},
+        breakdown_bytes=breakdown_of(record),
         train_seconds=finite(record.get("train_seconds")),
         test_accuracy=finite(record.get("test_accuracy")),
+        test_samples=test_samples if test_samples and test_samples > 0 else None,
     )
 
 
@@ -123,6 +164,7 @@ class EstimateRow:
     allocated_bytes: float | None
     reserved_bytes: float | None
     published_gb: float | None  # the study's max_memory_reserved for this exact setting
+    breakdown_bytes: dict = field(default_factory=lambda: dict.fromkeys(BREAKDOWN_KEYS))
 
     def setting(self, separator=", "):
         """The run this prediction is for, in words: "batch 16, 4 micro-batches, 4 GPUs"."""
@@ -135,20 +177,18 @@ class EstimateRow:
 
 
 def estimate_row(record):
-    def whole(name):
-        value = finite(record.get(name))
-        return int(value) if value is not None else None
-
     script = str(record.get("script", "?"))
-    preset, world_size = record.get("preset"), whole("world_size")
-    batch_size, accum_steps = whole("batch_size"), whole("accum_steps")
+    preset, world_size = record.get("preset"), whole_number(record, "world_size")
+    batch_size = whole_number(record, "batch_size")
+    accum_steps = whole_number(record, "accum_steps")
     single_gpu_article = preset in (None, "article") and world_size in (None, 1)
     published = (published_reserved_gb(script, batch_size, accum_steps or 1)
                  if single_gpu_article else None)
     return EstimateRow(script=script, preset=preset, world_size=world_size, batch_size=batch_size,
                        accum_steps=accum_steps,
                        allocated_bytes=finite(record.get("allocated_bytes")),
-                       reserved_bytes=finite(record.get("reserved_bytes")), published_gb=published)
+                       reserved_bytes=finite(record.get("reserved_bytes")), published_gb=published,
+                       breakdown_bytes=breakdown_of(record))
 
 
 def load_estimate_rows(results_dir):

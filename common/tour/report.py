@@ -50,11 +50,39 @@ def status(row):
     return "ok" if row.ok else cell(f"failed: {row.error or 'unknown error'}")
 
 
+def interval_cell(row):
+    """The accuracy's 95% interval in percent, "93.1-97.4%", or "n/a" without a test count."""
+    interval = row.accuracy_interval()
+    if interval is None:
+        return "n/a"
+    low, high = (100 * bound for bound in interval)
+    return f"{low:.1f}-{high:.1f}%"
+
+
+def interval_note(rows):
+    """What the interval column means, and what one test image weighs when the steps agree on it.
+
+    Accuracies of a few hundred images differ by chance from step to step; the note says how
+    much, so that a reader does not take a point or two for an effect of the step.
+    """
+    counts = {row.test_samples for row in rows if row.accuracy_interval() is not None}
+    images = (f"{next(iter(counts))} test images, so one image is "
+              f"{100 / next(iter(counts)):.2f} percentage points"
+              if len(counts) == 1 else "each step's test images")
+    return ('"95% interval": the Wilson score interval of the test accuracy measured on '
+            f"{images}: the accuracies on unseen images of the same kind that this measurement "
+            "is consistent with, at 95% confidence. Where two steps' intervals overlap, the "
+            "difference between their accuracies is not evidence that the step changed accuracy: "
+            "another draw of test images could reverse it. n/a: the record does not say how many "
+            "images were tested.\n")
+
+
 def tour_table(rows):
-    """A line per step: peak memory, ratio to 01, breakdown (all MiB), time, accuracy, status."""
+    """A line per step: peak memory, ratio to 01, breakdown (all MiB), time, accuracy with its
+    95% interval, status."""
     baseline = baseline_peak(rows)
     header = ["step", "peak MiB", "vs 01", *(key.replace("_", " ") for key in BREAKDOWN_KEYS),
-              "training time", "test accuracy", "status"]
+              "training time", "test accuracy", "95% interval", "status"]
     lines = []
     for row in rows:
         ratio = row.peak_bytes / baseline if baseline and row.peak_bytes is not None else None
@@ -65,8 +93,9 @@ def tour_table(rows):
                         for key in BREAKDOWN_KEYS),
                       shown(row.train_seconds, ".1f", " s"),
                       shown(in_units(row.test_accuracy, 0.01), ".1f", "%"),
+                      interval_cell(row),
                       status(row)])
-    return markdown_table(header, lines, "lrrrrrrrrrl")
+    return markdown_table(header, lines, "lrrrrrrrrrrl")
 
 
 def error_details(title, error_lines):
@@ -99,6 +128,7 @@ def tour_markdown(rows, tour=None):
     if tour.get("passed_flags"):
         parts.append(f"Quick run ({' '.join(tour['passed_flags'])}): training time and test "
                      "accuracy are not those of full training.\n")
+    parts.append(interval_note(rows))
     parts.append(tour_table(rows) if rows else "No steps ran.\n")
     estimate_outcome = tour.get("estimate")
     parts.append(estimate_note(estimate_outcome))

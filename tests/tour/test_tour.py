@@ -3,19 +3,23 @@ import shutil
 import subprocess
 import sys
 import time
+from itertools import combinations
 from pathlib import Path
 
 import matplotlib.image
 import pytest
+from matplotlib.backends.backend_agg import FigureCanvasAgg
 
+from common.memory import BREAKDOWN_KEYS
 from common.tour import runner as tour
-from common.tour.charts import estimate_figure, tour_figure
-from common.tour.records import MIB, load_estimate_rows, load_step_rows
+from common.tour.charts import NOT_BROKEN_DOWN, estimate_figure, tour_figure
+from common.tour.records import GB, MIB, load_estimate_rows, load_step_rows, wilson_interval
 from common.tour.report import write_report
 from conftest import QUICK, ROOT
 
 FIXTURES = Path(__file__).parent / "fixtures"
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+STACKED = {*BREAKDOWN_KEYS, NOT_BROKEN_DOWN}  # the gids of a memory bar's parts
 
 
 def table_rows(markdown):
@@ -34,10 +38,40 @@ def assert_png(path):
     assert image[..., :3].std() > 0.1  # blank or near-blank images have almost no spread
 
 
+def panel(figure, name):
+    """The chart's panel called `name` ("memory", "zoom", "time", "accuracy")."""
+    matches = [ax for ax in figure.axes if ax.get_label() == name]
+    assert len(matches) == 1, [ax.get_label() for ax in figure.axes]
+    return matches[0]
+
+
+def column_of(bar):
+    """The column (tick) a bar stands in; a bar beside its tick (the estimate) rounds to it."""
+    return round(bar.get_x() + bar.get_width() / 2)
+
+
+def stacked_heights(ax, in_pixels=False):
+    """{column: the summed heights of the stacked memory bar standing in it}, in data units or,
+    on a rendered figure, in pixels."""
+    heights = {}
+    for bar in ax.patches:
+        if bar.get_gid() in STACKED:
+            height = bar.get_window_extent().height if in_pixels else bar.get_height()
+            heights[column_of(bar)] = heights.get(column_of(bar), 0) + height
+    return heights
+
+
+def rendered(figure):
+    """The figure drawn by Agg, so that its artists know their size in pixels."""
+    FigureCanvasAgg(figure).draw()
+    return figure
+
+
 @pytest.fixture
 def recorded(tmp_path):
     """A copy of the recorded results: 01 ok, 02 missing fields, 03 failed, 07 on 2 processes,
-    a stale 05 that tour.json does not list, and a GPU estimate."""
+    a stale 05 that tour.json does not list, and a GPU estimate. 01 and 05 record their number
+    of test images (360); 07 does not, so its accuracy has no interval."""
     results = tmp_path / "results"
     shutil.copytree(FIXTURES / "tour", results)
     return results
@@ -50,13 +84,13 @@ def test_report_table_rows_ratios_and_failures(recorded):
     rows = table_rows(table)
     assert list(rows) == ["01_baseline", "02_mixed_precision", "03_bf16", "07_fsdp (2 processes)"]
     # columns: peak, vs 01, parameters, gradients, optimizer state, activations, temporaries,
-    # training time, test accuracy, status
+    # training time, test accuracy, 95% interval, status
     assert rows["01_baseline"][:2] == ["28.43", "1.00x"] and rows["01_baseline"][-1] == "ok"
     assert rows["02_mixed_precision"][1] == "0.82x"  # 24,395,864 / 29,811,660 bytes
     assert rows["02_mixed_precision"][6] == "n/a" and rows["02_mixed_precision"][8] == "n/a"
     assert rows["07_fsdp (2 processes)"][:2] == ["5.00", "0.18x"]
     failed = rows["03_bf16"]
-    assert failed[:-1] == ["n/a"] * 9
+    assert failed[:-1] == ["n/a"] * 10
     assert failed[-1] == "failed: exit status 1: RuntimeError: bfloat16 \\| not supported here"
     assert '  File "03_bf16.py", line 80, in <module>' in table  # the stderr lines, below the table
 
@@ -78,21 +112,127 @@ def test_report_writes_valid_charts(recorded):
     assert not list(recorded.glob("*.tmp"))
 
 
+def test_report_tour_table_shows_the_accuracy_interval(recorded):
+    write_report(recorded)
+    text = (recorded / "tour.md").read_text()
+    rows = table_rows(text)
+    # 01: 340 of 360 right (94.4%); Wilson with z = 1.96, z^2/n = 0.010671:
+    # centre (0.94444 + 0.005336) / 1.010671 = 0.939752, half width
+    # 1.96 / 1.010671 * sqrt(0.94444 * 0.05556 / 360 + 0.010671 / 1440) = 0.024001
+    assert rows["01_baseline"][8:10] == ["94.4%", "91.6-96.4%"]
+    assert rows["07_fsdp (2 processes)"][8:10] == ["92.5%", "n/a"]  # no test_samples recorded
+    assert rows["02_mixed_precision"][8:10] == ["n/a", "n/a"]  # no accuracy recorded
+    assert "one image is 0.28 percentage points" in text
+    assert "not evidence that the step changed accuracy" in text
+
+
+# Wilson score interval by hand, z = 1.96, n = 360: z^2 = 3.8416, z^2/n = 0.0106711.
+#   0 of 360:   low 0, high (z^2/n) / (1 + z^2/n) = 0.0106711 / 1.0106711 = 0.010558
+#   360 of 360: low 1 / (1 + z^2/n) = 0.989442, high 1
+#   180 of 360: centre 0.5, half width 1.96 / 1.0106711 * sqrt(0.25/360 + 3.8416/(4 * 360^2))
+#               = 1.939306 * sqrt(0.00069444 + 0.00000741) = 0.051376 -> 0.448624 to 0.551376
+@pytest.mark.parametrize("correct, low, high", [(0, 0.0, 0.010558), (360, 0.989442, 1.0),
+                                                (180, 0.448624, 0.551376)])
+def test_wilson_interval_of_known_counts(correct, low, high):
+    assert wilson_interval(correct / 360, 360) == pytest.approx((low, high), abs=2e-6)
+
+
+@pytest.mark.parametrize("correct", [0, 1, 17, 180, 340, 359, 360])
+def test_wilson_interval_contains_the_observed_proportion(correct):
+    low, high = wilson_interval(correct / 360, 360)
+    assert 0 <= low <= correct / 360 <= high <= 1 and high - low > 0.01  # never zero width
+
+
 def test_memory_bars_stack_to_each_peak(recorded):
     rows = load_step_rows(recorded)
-    memory_ax = tour_figure(rows).axes[0]
-    stacked_top = {}
-    for bar in memory_ax.patches:
-        x = round(bar.get_x() + bar.get_width() / 2)
-        stacked_top[x] = max(stacked_top.get(x, 0), bar.get_y() + bar.get_height())
-    assert stacked_top[0] == pytest.approx(rows[0].peak_bytes / MIB)  # 01: a full breakdown
-    assert stacked_top.get(2, 0) == 0  # 03 failed: no bar
+    memory_ax = panel(tour_figure(rows), "memory")
+    heights = stacked_heights(memory_ax)
+    for column, row in enumerate(rows):
+        if row.peak_bytes is not None:
+            assert heights[column] == pytest.approx(row.peak_bytes / MIB), row.script
+    assert 2 not in heights  # 03 failed: no bar
+    # 02's record has no temporaries: what its breakdown leaves out of the peak is grey
+    grey = [bar for bar in memory_ax.patches if bar.get_gid() == NOT_BROKEN_DOWN]
+    known = sum(value for value in rows[1].breakdown_bytes.values() if value is not None)
+    assert [column_of(bar) for bar in grey] == [1]
+    assert grey[0].get_height() == pytest.approx((rows[1].peak_bytes - known) / MIB)
+
+
+def test_tour_chart_magnifies_a_step_too_short_to_read(recorded):
+    (recorded / "tour.json").unlink()  # brings in the stale 05, whose peak is 1 byte
+    rows = load_step_rows(recorded)
+    figure = rendered(tour_figure(rows))
+    five = [row.script for row in rows].index("05_sgd_cosine")
+    assert set(stacked_heights(panel(figure, "zoom"))) == {five}  # only the short bar is repeated
+    assert stacked_heights(panel(figure, "zoom"), in_pixels=True)[five] > 50
+
+
+def test_estimate_bars_stack_to_allocated_with_reserved_marked(recorded):
+    estimates, _ = load_estimate_rows(recorded)
+    memory_ax = panel(estimate_figure(estimates), "memory")
+    heights = stacked_heights(memory_ax)
+    assert heights == pytest.approx({column: estimate.allocated_bytes / GB
+                                     for column, estimate in enumerate(estimates)}, rel=1e-9)
+    without_breakdown = [column for column, estimate in enumerate(estimates)
+                         if all(value is None for value in estimate.breakdown_bytes.values())]
+    assert [estimates[column].script for column in without_breakdown] == ["02_mixed_precision"]
+    grey = {column_of(bar) for bar in memory_ax.patches if bar.get_gid() == NOT_BROKEN_DOWN}
+    assert grey == set(without_breakdown)  # the rest are broken down completely
+    reserved_marks = {round(segment[:, 0].mean()): segment[0, 1]
+                      for lines in memory_ax.collections if lines.get_gid() == "reserved"
+                      for segment in lines.get_segments()}
+    assert reserved_marks == pytest.approx({column: estimate.reserved_bytes / GB
+                                            for column, estimate in enumerate(estimates)
+                                            if estimate.reserved_bytes is not None})
 
 
 def test_estimate_chart_marks_only_published_settings(recorded):
     estimates, _ = load_estimate_rows(recorded)
-    study_bars = [bar for bar in estimate_figure(estimates).axes[0].patches if bar.get_hatch()]
+    memory_ax = panel(estimate_figure(estimates), "memory")
+    study_bars = [bar for bar in memory_ax.patches if bar.get_gid() == "published"]
     assert sorted(round(bar.get_height(), 2) for bar in study_bars) == [3.91, 5.69, 18.21, 26.84]
+    assert {column_of(bar) for bar in study_bars} == {
+        column for column, estimate in enumerate(estimates) if estimate.published_gb is not None}
+
+
+def test_estimate_chart_magnifies_settings_too_small_to_read(recorded):
+    estimates, _ = load_estimate_rows(recorded)
+    figure = rendered(estimate_figure(estimates))
+    largest = max(max(e.allocated_bytes or 0, e.reserved_bytes or 0, (e.published_gb or 0) * GB)
+                  for e in estimates)
+    small = {column for column, estimate in enumerate(estimates)
+             if max(estimate.allocated_bytes, estimate.reserved_bytes or 0) < 0.05 * largest}
+    assert [estimates[column].script for column in small] == ["09_activation_checkpointing"]
+    full_scale = stacked_heights(panel(figure, "memory"), in_pixels=True)
+    magnified = stacked_heights(panel(figure, "zoom"), in_pixels=True)
+    zoom_labels = " ".join(text.get_text() for text in panel(figure, "zoom").texts)
+    for column in small:
+        assert full_scale[column] < 5  # a sliver beside 01
+        assert magnified[column] >= 12  # taller than the digits of its label
+        assert f"{estimates[column].allocated_bytes / GB:.2f} alloc" in zoom_labels
+
+
+def overlapping_texts(figure, panel_names):
+    """The pairs of labels in these panels whose rendered boxes overlap, and how many labels."""
+    rendered(figure)
+    boxes = [(text.get_text(), text.get_window_extent())
+             for name in panel_names for text in panel(figure, name).texts]
+    return [(a, b) for (a, box_a), (b, box_b) in combinations(boxes, 2)
+            if box_a.overlaps(box_b)], len(boxes)
+
+
+def test_tour_chart_lower_labels_do_not_overlap(recorded):
+    # 07 has the longest training time and an accuracy high on the axis: where the time label
+    # and the accuracy label once collided
+    rows = load_step_rows(recorded)
+    overlaps, count = overlapping_texts(tour_figure(rows), ["time", "accuracy"])
+    assert overlaps == [] and count == 2 * len(rows)  # a time and an accuracy label per step
+
+
+def test_estimate_chart_labels_do_not_overlap(recorded):
+    estimates, _ = load_estimate_rows(recorded)
+    overlaps, count = overlapping_texts(estimate_figure(estimates), ["memory", "zoom"])
+    assert overlaps == [] and count >= len(estimates)
 
 
 def test_report_without_tour_json_or_estimate(recorded):
