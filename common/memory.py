@@ -2,13 +2,17 @@
 
 On every device the first optimizer steps run under PyTorch's MemTracker, which counts tensor
 storages exactly (identical across runs with the same seed) and sorts them into parameters,
-gradients, optimizer state, activations and temporaries. A training run reaches its peak within
-its first two optimizer steps. The tracker roughly doubles the time of the steps it watches, so
-those steps are left out of the training time. On CUDA the run also reports
-`torch.cuda.max_memory_allocated` and `max_memory_reserved` over the whole run.
+gradients, optimizer state, activations and temporaries: the peak and its breakdown come from
+the same steps. A training run reaches its peak within its first two optimizer steps that are
+taken (a float16 gradient scaler may skip some: those are tracked too, up to a limit). The
+tracker roughly doubles the time of the steps it watches, so those steps are left out of the
+training time. On CUDA the run also reports the caching allocator's own figures over the whole
+run, evaluation included: `torch.cuda.max_memory_allocated` and `max_memory_reserved` (the
+figure the study published); the cache is emptied first, so they count this run alone.
 """
 import time
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -16,7 +20,8 @@ from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 from torch.distributed._tools.mem_tracker import MemTracker
 from torch.distributed.fsdp import FSDPModule
 
-TRACKED_STEPS = 2
+TRACKED_STEPS = 2  # optimizer steps taken under the tracker
+MAX_TRACKED_STEPS = 10  # steps tracked at most, while a gradient scaler skips optimizer steps
 
 # MemTracker's categories, folded into the five this project reports
 CATEGORIES = {
@@ -70,11 +75,20 @@ class MemoryMeter:
         self.device, self.model, self.optimizer = device, model, optimizer
         self.tracker_factory = FSDPMemTracker if is_sharded(model) else memory_tracker
         self.tracker = None
-        self.steps_seen = 0
+        self.steps_seen = self.steps_taken = 0
+        optimizer.register_step_post_hook(self.count_step_taken)  # not called for a skipped step
         self.tracked_seconds = 0.0
         self.peak_bytes, self.breakdown = 0, dict.fromkeys(BREAKDOWN_KEYS, 0)
         if device.type == "cuda":
+            torch.cuda.empty_cache()  # else segments cached during creation count as training's
             torch.cuda.reset_peak_memory_stats(device)
+
+    def count_step_taken(self, optimizer, args, kwargs):
+        self.steps_taken += 1
+
+    def tracking(self):
+        """Whether the coming step is tracked: until TRACKED_STEPS optimizer steps were taken."""
+        return self.steps_taken < TRACKED_STEPS and self.steps_seen < MAX_TRACKED_STEPS
 
     def forget_previous_forward(self, module, args):
         # MemTracker refuses a second forward of the root module unless told it is a new
@@ -84,11 +98,12 @@ class MemoryMeter:
 
     @contextmanager
     def step(self):
-        """Track this step (the first TRACKED_STEPS of a run); later steps run untouched."""
-        self.steps_seen += 1
-        if self.steps_seen > TRACKED_STEPS:
+        """Track this step while fewer than TRACKED_STEPS optimizer steps were taken; later
+        steps run untouched."""
+        if not self.tracking():
             yield
             return
+        self.steps_seen += 1
         if self.tracker is None:
             self.tracker = self.tracker_factory(self.model, self.optimizer)
         # registered before the tracker's own global hooks, so it runs first
@@ -106,11 +121,12 @@ class MemoryMeter:
             self.peak_bytes, self.breakdown = stats["Total"], fold_breakdown(stats)
 
     def result(self):
-        """Peak bytes (tracked steps), its breakdown, and on CUDA the allocator's own peaks."""
-        result = {"peak_memory_bytes": self.peak_bytes, "breakdown_bytes": self.breakdown}
+        """Peak bytes and its breakdown (tracked steps), and on CUDA the allocator's own peaks
+        over the whole run."""
+        result = {"peak_memory_bytes": self.peak_bytes, "breakdown_bytes": self.breakdown,
+                  "tracked_steps": self.steps_seen}
         if self.device.type == "cuda":
-            result["peak_memory_bytes"] = torch.cuda.max_memory_allocated(self.device)
-            result["cuda_max_allocated_bytes"] = result["peak_memory_bytes"]
+            result["cuda_max_allocated_bytes"] = torch.cuda.max_memory_allocated(self.device)
             result["cuda_max_reserved_bytes"] = torch.cuda.max_memory_reserved(self.device)
         if dist.is_available() and dist.is_initialized():
             result = highest_over_processes(result)
@@ -125,19 +141,44 @@ def highest_over_processes(result):
     return {**highest, "rank_peak_memory_bytes": [each["peak_memory_bytes"] for each in results]}
 
 
+@dataclass
+class Creation:
+    """Model creation's peaks: on the training device and, when that is a GPU, in host memory."""
+    peak_bytes: int = 0
+    host_peak_bytes: int = 0
+
+    def result(self):
+        """As a record's fields; with several processes, the highest and every process's."""
+        result = {"init_peak_memory_bytes": self.peak_bytes,
+                  "init_host_peak_memory_bytes": self.host_peak_bytes}
+        if dist.is_available() and dist.is_initialized():
+            results = [None] * dist.get_world_size()
+            dist.all_gather_object(results, result)
+            result = {name: max(each[name] for each in results) for name in result}
+            result["rank_init_peak_memory_bytes"] = [each["init_peak_memory_bytes"]
+                                                     for each in results]
+        return result
+
+
 @contextmanager
 def measure_creation(device):
-    """Peak memory while the block runs (model creation); read `.peak_bytes` after it."""
-    class Creation:
-        peak_bytes = 0
+    """Peak memory while the block runs (model creation); read `.peak_bytes` after it.
+
+    MemTracker counts the tensors of every device: on the CPU it gives both figures; on CUDA the
+    device figure is the allocator's (max_memory_allocated during the block, less what was
+    allocated before) and MemTracker gives the host's, where steps 01-05 build the float32 model.
+    """
     creation = Creation()
     if device.type == "cuda":
+        torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
         base = torch.cuda.memory_allocated(device)
-        yield creation
-        creation.peak_bytes = torch.cuda.max_memory_allocated(device) - base
-        return
     tracker = MemTracker()
     with tracker:
         yield creation
-    creation.peak_bytes = device_snapshot(tracker.get_tracker_snapshot("peak"), device).get("Total", 0)
+    peak = tracker.get_tracker_snapshot("peak")
+    creation.host_peak_bytes = device_snapshot(peak, torch.device("cpu")).get("Total", 0)
+    if device.type == "cuda":
+        creation.peak_bytes = torch.cuda.max_memory_allocated(device) - base
+    else:
+        creation.peak_bytes = device_snapshot(peak, device).get("Total", 0)

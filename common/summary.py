@@ -19,7 +19,8 @@ def report(args, script, creation, meter, progress, test_accuracy):
     Progress. Training time is the Progress clock less the steps the meter tracked (tracking
     slows them down).
     """
-    memory = meter.result()  # under several processes: a collective, so every process calls it
+    memory = meter.result()  # under several processes: collectives, so every process calls them
+    created = creation.result()
     world_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
     train_seconds = progress.seconds - meter.tracked_seconds
     record = {
@@ -30,7 +31,7 @@ def report(args, script, creation, meter, progress, test_accuracy):
         "batch_size": args.batch_size,
         "accum_steps": args.accum_steps,
         **memory,
-        "init_peak_memory_bytes": creation.peak_bytes,
+        **created,
         "train_seconds": round(train_seconds, 3),
         "test_accuracy": float(test_accuracy),
         "test_samples": getattr(test_accuracy, "samples", None),  # how precise the accuracy is
@@ -52,9 +53,13 @@ def report(args, script, creation, meter, progress, test_accuracy):
     if len(rank_peaks) > 1:  # the highest is the one above
         print(f"  per process: {' | '.join(mib(peak) for peak in rank_peaks)}")
     print(f"  at the peak: {breakdown}")
-    if "cuda_max_reserved_bytes" in memory:
-        print(f"  CUDA reserved          {mib(memory['cuda_max_reserved_bytes'])}")
-    print(f"peak memory of creation  {mib(creation.peak_bytes)}")
+    if "cuda_max_reserved_bytes" in memory:  # another window, another count: say which
+        print(f"CUDA allocator, whole run (evaluation included): allocated "
+              f"{mib(memory['cuda_max_allocated_bytes'])} | reserved "
+              f"{mib(memory['cuda_max_reserved_bytes'])}")
+    print(f"peak memory of creation  {mib(created['init_peak_memory_bytes'])}"
+          + (f"  (host memory {mib(created['init_host_peak_memory_bytes'])})"
+             if args.device.type == "cuda" else ""))
     print(f"training time            {train_seconds:.1f} s ({progress.steps} optimizer steps)")
     print(f"test accuracy            {test_accuracy:.2%}")
     path = Path(args.results_dir) / f"{record['script']}.json"

@@ -229,3 +229,23 @@ def test_offline_model_not_cached_is_named(monkeypatch):
     monkeypatch.setattr(model.ViTForImageClassification, "from_pretrained", not_cached)
     with pytest.raises(SystemExit, match="google/vit-large-patch16-224 is not in this machine's"):
         model.create_model(get_preset("article"))
+
+
+def test_the_meter_tracks_until_two_optimizer_steps_were_taken():
+    """A float16 scaler that skips the first steps (an overflow at the first scale) must not
+    leave the optimizer state out of the peak: tracking goes on until steps are taken."""
+    from common.memory import TRACKED_STEPS, MemoryMeter
+    model = torch.nn.Linear(64, 64)
+    optimizer = torch.optim.Adam(model.parameters())
+    meter = MemoryMeter(torch.device("cpu"), model, optimizer)
+    tracked = []
+    for step in range(6):
+        tracked.append(meter.tracking())
+        with meter.step():
+            model(torch.randn(8, 64)).sum().backward()
+            if step >= 2:  # the first two steps are skipped, as GradScaler skips them
+                optimizer.step()
+            optimizer.zero_grad()
+    assert tracked == [True, True, True, True, False, False]
+    assert meter.steps_taken == 4 and meter.result()["tracked_steps"] == 2 + TRACKED_STEPS
+    assert meter.breakdown["optimizer_state"] >= 2 * 4 * (64 * 64 + 64)  # at least Adam's 2 moments

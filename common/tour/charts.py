@@ -34,8 +34,7 @@ def script_label(script):
 
 
 def step_label(row):
-    processes = f"\n{row.world_size} processes" if row.world_size and row.world_size > 1 else ""
-    return script_label(row.script) + processes
+    return script_label(row.script) + (f"\n{row.processes()}" if row.processes() else "")
 
 
 def category_label(key):

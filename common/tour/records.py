@@ -79,6 +79,12 @@ class StepRow:
     test_accuracy: float | None = None
     test_samples: int | None = None  # how many test images the accuracy was measured on
 
+    def processes(self):
+        """"2 processes, cpu" for a step run in several processes (and on which device), else ""."""
+        if not self.world_size or self.world_size < 2:
+            return ""
+        return f"{self.world_size} processes" + (f", {self.device}" if self.device else "")
+
     def accuracy_interval(self):
         """The 95% interval (low, high) of the test accuracy, or None without accuracy or count.
 

@@ -36,8 +36,7 @@ def markdown_table(header, rows, align):
 
 
 def step_name(row):
-    several = row.world_size and row.world_size > 1
-    return row.script + (f" ({row.world_size} processes)" if several else "")
+    return row.script + (f" ({row.processes()})" if row.processes() else "")
 
 
 def baseline_peak(rows):
@@ -128,6 +127,9 @@ def tour_markdown(rows, tour=None):
     if tour.get("passed_flags"):
         parts.append(f"Quick run ({' '.join(tour['passed_flags'])}): training time and test "
                      "accuracy are not those of full training.\n")
+    launch = tour.get("sharded_launch")
+    if isinstance(launch, dict) and launch.get("reason") and any(row.processes() for row in rows):
+        parts.append(f"Sharded steps (07 on): {launch['reason']}.\n")
     parts.append(interval_note(rows))
     parts.append(tour_table(rows) if rows else "No steps ran.\n")
     estimate_outcome = tour.get("estimate")

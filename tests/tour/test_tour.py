@@ -8,6 +8,7 @@ from pathlib import Path
 
 import matplotlib.image
 import pytest
+import torch
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 
 from common.memory import BREAKDOWN_KEYS
@@ -82,13 +83,13 @@ def test_report_table_rows_ratios_and_failures(recorded):
     table = (recorded / "tour.md").read_text()
     assert table in text  # what is printed is what is written
     rows = table_rows(table)
-    assert list(rows) == ["01_baseline", "02_mixed_precision", "03_bf16", "07_fsdp (2 processes)"]
+    assert list(rows) == ["01_baseline", "02_mixed_precision", "03_bf16", "07_fsdp (2 processes, cpu)"]
     # columns: peak, vs 01, parameters, gradients, optimizer state, activations, temporaries,
     # training time, test accuracy, 95% interval, status
     assert rows["01_baseline"][:2] == ["28.43", "1.00x"] and rows["01_baseline"][-1] == "ok"
     assert rows["02_mixed_precision"][1] == "0.82x"  # 24,395,864 / 29,811,660 bytes
     assert rows["02_mixed_precision"][6] == "n/a" and rows["02_mixed_precision"][8] == "n/a"
-    assert rows["07_fsdp (2 processes)"][:2] == ["5.00", "0.18x"]
+    assert rows["07_fsdp (2 processes, cpu)"][:2] == ["5.00", "0.18x"]
     failed = rows["03_bf16"]
     assert failed[:-1] == ["n/a"] * 10
     assert failed[-1] == "failed: exit status 1: RuntimeError: bfloat16 \\| not supported here"
@@ -120,7 +121,7 @@ def test_report_tour_table_shows_the_accuracy_interval(recorded):
     # centre (0.94444 + 0.005336) / 1.010671 = 0.939752, half width
     # 1.96 / 1.010671 * sqrt(0.94444 * 0.05556 / 360 + 0.010671 / 1440) = 0.024001
     assert rows["01_baseline"][8:10] == ["94.4%", "91.6-96.4%"]
-    assert rows["07_fsdp (2 processes)"][8:10] == ["92.5%", "n/a"]  # no test_samples recorded
+    assert rows["07_fsdp (2 processes, cpu)"][8:10] == ["92.5%", "n/a"]  # no test_samples recorded
     assert rows["02_mixed_precision"][8:10] == ["n/a", "n/a"]  # no accuracy recorded
     assert "one image is 0.28 percentage points" in text
     assert "not evidence that the step changed accuracy" in text
@@ -242,7 +243,7 @@ def test_report_without_tour_json_or_estimate(recorded):
     text = write_report(recorded)
     rows = table_rows((recorded / "tour.md").read_text())
     assert list(rows) == ["01_baseline", "02_mixed_precision", "05_sgd_cosine",
-                          "06_on_device_init", "07_fsdp (2 processes)"]
+                          "06_on_device_init", "07_fsdp (2 processes, cpu)"]
     assert rows["06_on_device_init"][-1].startswith("failed: unreadable 06_on_device_init.json")
     assert "GPU estimate chart skipped: no estimate.json" in text
     assert not (recorded / "estimate.png").exists()
@@ -275,13 +276,15 @@ def test_tour_shows_failed_steps_and_runs_the_rest(tmp_path, monkeypatch, capfd)
     assert "RuntimeError: broken on purpose" in output.err  # stderr streamed through
     rows = table_rows((results / "tour.md").read_text())
     assert list(rows) == ["01_writes_record", "02_crashes", "03_writes_nothing",
-                          "07_distributed (2 processes)"]
+                          "07_distributed (2 processes, cpu)"]
     assert rows["01_writes_record"][-1] == "ok"
     assert rows["02_crashes"][-1] == "failed: exit status 1: RuntimeError: broken on purpose"
     assert rows["03_writes_nothing"][-1] == "failed: exit status 0 but no 03_writes_nothing.json"
     assert not (results / "03_writes_nothing.json").exists()  # the stale record is gone
-    assert rows["07_distributed (2 processes)"][:2] == ["1.00", "0.50x"]
+    assert rows["07_distributed (2 processes, cpu)"][:2] == ["1.00", "0.50x"]
     assert "Quick run (--max-steps 2)" in (results / "tour.md").read_text()
+    if not torch.cuda.is_available():  # the table says how the sharded steps were started
+        assert "Sharded steps (07 on): 0 GPUs visible" in (results / "tour.md").read_text()
     for name in ["tour.md", "tour.png", "estimate.md", "estimate.png"]:
         assert (docs / name).read_bytes() == (results / name).read_bytes()
     assert [path.name for path in results.iterdir() if path.name.startswith(".")] == []
