@@ -37,7 +37,7 @@ def train_step(model, optimizer, images, labels, device, accum_steps):  # gradie
         logits = model(pixel_values=micro_images).logits
         loss = F.cross_entropy(logits, micro_labels) / len(micro_batches)  # mean over the batch
         loss.backward()
-        batch_loss += loss.detach()
+        batch_loss += loss.detach().float()  # the record's loss, summed in float32
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return batch_loss  # gradient accumulation: the whole batch's mean loss

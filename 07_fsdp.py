@@ -6,7 +6,10 @@ processes and freed again right after; gradients are averaged across processes a
 keeps (and updates) only its share. Each process trains on its own slice of every batch: with N
 processes the micro-batch is batch/(N x accum-steps), so the effective batch, the data and the
 number of optimizer steps stay those of 06. Sharding saves memory when the parameters, gradients
-and optimizer state are a large part of it, and only with several devices.
+and optimizer state are a large part of it, and only with several devices. The model is created
+on the meta device (shapes, no memory) and sharded before any process allocates it: each then
+fills its own shards from a whole copy in the host memory of process 0, so no device ever holds
+the whole model, not even while it is created.
 
   torchrun --nproc_per_node=2 07_fsdp.py         # tiny preset, 2 processes (CPU: gloo, GPU: nccl)
   python 07_fsdp.py                               # the same as one process
@@ -26,7 +29,7 @@ from common.data import load_data
 from common.distributed import init_distributed
 from common.evaluate import evaluate
 from common.memory import MemoryMeter, measure_creation
-from common.model import create_model, transformer_blocks
+from common.model import create_model, fill_shards, transformer_blocks
 from common.presets import get_preset
 from common.progress import Progress
 from common.summary import report
@@ -46,7 +49,7 @@ def train_step(model, optimizer, images, labels, device, accum_steps):  # gradie
         logits = model(pixel_values=micro_images).logits
         loss = F.cross_entropy(logits, micro_labels) / len(micro_batches)  # mean over the batch
         loss.backward()
-        batch_loss += loss.detach()
+        batch_loss += loss.detach().float()  # the record's loss, summed in float32
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     dist.all_reduce(batch_loss)  # FSDP: the mean loss over all processes, for the record
@@ -56,7 +59,7 @@ def train_step(model, optimizer, images, labels, device, accum_steps):  # gradie
 
 def train(args, device):
     preset = get_preset(args.preset)
-    torch.manual_seed(args.seed)  # FSDP: every process builds the same model, then keeps a shard
+    torch.manual_seed(args.seed)
 
     rank, world_size = dist.get_rank(), dist.get_world_size()  # FSDP: each process takes its slice
     data = load_data(preset, args.batch_size, device, seed=args.seed,
@@ -66,13 +69,14 @@ def train(args, device):
         total_steps = min(total_steps, args.max_steps)
 
     with measure_creation(device) as creation:
-        with torch.device(device):  # on-device init: tensors made in here go to the device
+        with torch.device("meta"):  # FSDP, on-device init: shapes only, so no device holds it all
             model = create_model(preset, dtype=DTYPE)  # on-device init, bf16-true: never float32
         # FSDP: shard each block (it gathers its weights in turn), then the rest as one more unit
         shard_options = dict(mesh=init_device_mesh(device.type, (world_size,)))  # all processes
         for block in transformer_blocks(model):
             fully_shard(block, **shard_options)
         fully_shard(model, **shard_options)  # embeddings, final norm and head
+        fill_shards(model, preset, device)  # FSDP: each process allocates and fills its shards
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr or preset.sgd_lr)  # plain SGD
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=total_steps)  # plain SGD
 

@@ -60,8 +60,9 @@ def memory_tracker(model, optimizer):
 
 
 def is_sharded(model):
-    """True when FSDP2's fully_shard has been applied to the model or any of its modules."""
-    return any(isinstance(module, FSDPModule) for module in model.modules())
+    """True when FSDP2's fully_shard has been applied to the model itself (FSDPMemTracker
+    needs the root sharded; steps 07-09 shard the blocks and then the root)."""
+    return isinstance(model, FSDPModule)
 
 
 class MemoryMeter:
@@ -80,8 +81,14 @@ class MemoryMeter:
         self.tracked_seconds = 0.0
         self.peak_bytes, self.breakdown = 0, dict.fromkeys(BREAKDOWN_KEYS, 0)
         if device.type == "cuda":
+            torch.cuda.synchronize(device)  # creation's queued kernels are not training's
             torch.cuda.empty_cache()  # else segments cached during creation count as training's
             torch.cuda.reset_peak_memory_stats(device)
+
+    def synchronize(self):
+        """Wait for the GPU's queued work (kernels run asynchronously; the CPU's do not)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     def count_step_taken(self, optimizer, args, kwargs):
         self.steps_taken += 1
@@ -109,12 +116,14 @@ class MemoryMeter:
         # registered before the tracker's own global hooks, so it runs first
         hook = torch.nn.modules.module.register_module_forward_pre_hook(
             self.forget_previous_forward)
+        self.synchronize()  # the time left out is this step's, also on a GPU
         start = time.perf_counter()
         try:
             with self.tracker:  # entering starts a new peak: keep the highest one seen
                 yield
         finally:
             hook.remove()
+            self.synchronize()
             self.tracked_seconds += time.perf_counter() - start
         stats = device_snapshot(self.tracker.get_tracker_snapshot("peak"), self.device)
         if stats.get("Total", 0) > self.peak_bytes:

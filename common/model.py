@@ -1,5 +1,18 @@
-"""The Vision Transformer: built from a ViTConfig (tiny) or loaded pretrained (article)."""
+"""The Vision Transformer: built from a ViTConfig (tiny) or loaded pretrained (article).
+
+A model trained from scratch gets the same initial weights on every device: they are drawn on
+the CPU, one module at a time, with the seeded CPU generator, and copied to wherever the model
+lives. So 05 (built in float32 on the CPU, then converted) and 06 (built on its device in
+bfloat16) start from the same weights, on a GPU too, and the sharded steps fill their shards
+with those same weights.
+"""
+import os
+from contextlib import contextmanager
+
 import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
+from torch.distributed.tensor import DTensor
 from transformers import ViTConfig, ViTForImageClassification
 
 from common.hub import from_cache_when_offline, require_hub
@@ -13,18 +26,118 @@ def create_model(preset, dtype=torch.float32):
     """A ViT classifier whose parameters are created in `dtype` on the default device.
 
     The default device is the CPU unless the caller sets another, as step 06 does with
-    `with torch.device(device):`; pretrained weights are then loaded straight onto it.
+    `with torch.device(device):`; pretrained weights are then loaded straight onto it. On the
+    meta device (steps 07-09) the model has shapes only: `fill_shards` gives it its values.
     """
-    if preset.model is None:  # train from scratch
-        return ViTForImageClassification._from_config(vit_config(preset), dtype=dtype)
-    require_hub(f"the pretrained model {preset.model}")
-    with from_cache_when_offline(f"the pretrained model {preset.model}"):
-        return ViTForImageClassification.from_pretrained(
-            preset.model, num_labels=preset.num_classes, ignore_mismatched_sizes=True,  # new head
-            dtype=dtype, device_map=torch.get_default_device())  # with its index: cuda:N, not "cuda"
+    device = torch.get_default_device()
+    if preset.model is not None and device.type != "meta":
+        require_hub(f"the pretrained model {preset.model}")
+        # files are read into host memory, in this thread (so MemTracker sees them), and only
+        # the converted weights go to `device` (with its index: cuda:N, not "cuda")
+        with from_cache_when_offline(f"the pretrained model {preset.model}"), \
+                torch.device("cpu"), loading_in_this_thread():
+            model = ViTForImageClassification.from_pretrained(
+                preset.model, num_labels=preset.num_classes, ignore_mismatched_sizes=True,  # new head
+                dtype=dtype, device_map=device)
+        initialise(model, [model.classifier])  # the new head: the same draw on every device
+        return model
+    with torch.device("meta"):  # shapes first; the values below are the same on every device
+        model = ViTForImageClassification._from_config(vit_config(preset), dtype=dtype)
+    if any(True for _ in model.buffers()):  # to_empty would leave them uninitialised
+        raise NotImplementedError(f"{type(model).__name__} has buffers, which create_model "
+                                  "cannot yet give values after building on the meta device")
+    if device.type != "meta":
+        model.to_empty(device=device)
+        initialise(model)
+    return model
+
+
+@contextmanager
+def loading_in_this_thread():
+    """transformers' weight loading in this thread rather than in its worker threads, so that
+    MemTracker (which sees only its own thread) counts the host memory of creation. The caller
+    sets the CPU as the default device: the synchronous loader reads the files under it."""
+    before = os.environ.get("HF_DEACTIVATE_ASYNC_LOAD")
+    os.environ["HF_DEACTIVATE_ASYNC_LOAD"] = "1"  # read by transformers at each load
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["HF_DEACTIVATE_ASYNC_LOAD"]
+        else:
+            os.environ["HF_DEACTIVATE_ASYNC_LOAD"] = before
+
+
+@torch.no_grad()
+def initialise(model, modules=None):
+    """Draw the initial weights with transformers' own rules, module by module (all of them, or
+    `modules`), on the CPU in float32 (the global CPU generator, seeded by the script), and copy
+    them into the model: the host never holds more than one module's weights, and every device
+    gets the same values."""
+    for module in model.modules() if modules is None else modules:
+        own = dict(module.named_parameters(recurse=False))
+        if not own:
+            continue
+        for name, param in own.items():  # a float32 CPU tensor in place of each parameter
+            module._parameters[name] = torch.empty(param.shape, dtype=torch.float32, device="cpu")
+        try:
+            model._init_weights(module)
+            drawn = {name: module._parameters[name] for name in own}
+        finally:
+            module._parameters.update(own)
+        for name, param in own.items():
+            param.copy_(drawn[name])
 
 
 def transformer_blocks(model):
     """The list of transformer blocks (its attribute moved between transformers versions)."""
     vit = model.vit
     return vit.layers if hasattr(vit, "layers") else vit.encoder.layer
+
+
+def offloads_to_host(model):
+    """True when an FSDP2 module of `model` keeps its shards in host memory (CPUOffloadPolicy)."""
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            group = module._get_fsdp_state()._fsdp_param_group
+            if group is not None and isinstance(group.offload_policy, CPUOffloadPolicy):
+                return True
+    return False
+
+
+@torch.no_grad()
+def fill_shards(model, preset, device):
+    """Give a model created on the meta device, then sharded, its values: each process allocates
+    only its own shards and copies in its part of every parameter.
+
+    The whole model exists once, on the host of process 0 (built as create_model builds it on
+    the CPU, or loaded from the pretrained weights); from there each parameter in turn is
+    broadcast to every process's device, so no device ever holds more than one whole parameter.
+    """
+    rank = dist.get_rank()
+    dtype = next(model.parameters()).dtype
+    source = None
+    if rank == 0:
+        with torch.device("cpu"):
+            source = create_model(preset, dtype=dtype)
+    model.to_empty(device="cpu" if offloads_to_host(model) else device)  # offload: shards on the host
+    source_tensors = iter([*source.parameters(), *source.buffers()]) if source else None
+    for tensor in [*model.parameters(), *model.buffers()]:
+        if source is not None:
+            full = next(source_tensors)
+            if full.shape != tensor.shape:  # a mismatch would hang the broadcast on other ranks
+                raise RuntimeError(f"fill_shards: host copy has shape {tuple(full.shape)} where the "
+                                   f"sharded model has {tuple(tensor.shape)}")
+            full = full.to(device, tensor.dtype)
+        else:
+            full = torch.empty(tensor.shape, dtype=tensor.dtype, device=device)
+        dist.broadcast(full, src=0)
+        if isinstance(tensor, DTensor):  # FSDP2 shards along dim 0 in torch.chunk's pieces
+            mesh = tensor.device_mesh
+            pieces, index = torch.chunk(full, mesh.size(), dim=0), mesh.get_local_rank()
+            if index < len(pieces):
+                tensor.to_local().copy_(pieces[index])
+            del pieces
+        else:
+            tensor.copy_(full)
+        del full  # one whole parameter at a time

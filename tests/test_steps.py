@@ -11,7 +11,7 @@ import torch
 from common import hub
 from common.model import create_model
 from common.presets import get_preset
-from conftest import QUICK, ROOT, load_script, run_script, script_path
+from conftest import QUICK, ROOT, load_script, requires_cuda, run_script, script_path
 
 SINGLE_DEVICE_STEPS = ["01", "02", "03", "04", "05", "06"]
 RECORD_FIELDS = {"script", "preset", "device", "world_size", "batch_size", "accum_steps",
@@ -249,3 +249,41 @@ def test_the_meter_tracks_until_two_optimizer_steps_were_taken():
     assert tracked == [True, True, True, True, False, False]
     assert meter.steps_taken == 4 and meter.result()["tracked_steps"] == 2 + TRACKED_STEPS
     assert meter.breakdown["optimizer_state"] >= 2 * 4 * (64 * 64 + 64)  # at least Adam's 2 moments
+
+
+def initial_weights(dtype, device):
+    torch.manual_seed(0)
+    with torch.device(device):
+        return create_model(get_preset("tiny"), dtype=dtype)
+
+
+def test_05_and_06_start_from_the_same_weights():
+    """05 builds float32 on the CPU and converts; 06 builds bfloat16 where it trains. The
+    weights are drawn on the CPU either way, so they match to the last bit."""
+    torch.manual_seed(0)
+    converted = create_model(get_preset("tiny")).to(torch.bfloat16)  # 05
+    created = initial_weights(torch.bfloat16, "cpu")  # 06
+    for (name, before), after in zip(converted.named_parameters(), created.parameters()):
+        assert after.dtype == torch.bfloat16 and torch.equal(before, after), name
+
+
+@requires_cuda
+def test_05_and_06_start_from_the_same_weights_on_a_gpu():
+    torch.manual_seed(0)
+    converted = create_model(get_preset("tiny")).to("cuda", torch.bfloat16)  # 05
+    created = initial_weights(torch.bfloat16, "cuda")  # 06
+    assert all(param.is_cuda for param in created.parameters())
+    for before, after in zip(converted.parameters(), created.parameters()):
+        assert torch.equal(before, after)
+
+
+def test_initial_weights_follow_the_models_own_rules():
+    model = initial_weights(torch.float32, "cpu")
+    std = get_preset("tiny").vit["initializer_range"]
+    for name, param in model.named_parameters():
+        if "norm" in name:
+            assert torch.all(param == (1 if name.endswith("weight") else 0)), name
+        elif name.endswith("bias"):
+            assert torch.all(param == 0), name
+        elif param.numel() > 1000:
+            assert param.std().item() == pytest.approx(std, rel=0.1), name

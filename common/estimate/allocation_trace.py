@@ -28,6 +28,23 @@ class AllocationTrace:
         self.events = []
         self._numbers = {}  # id(MemTracker's record of a storage) -> storage number, while alive
         self._next_number = itertools.count()
+        self._on_host = False
+
+    def new_tracker(self):
+        """The next events come from another tracker (creation's, then training's): forget the
+        records of the last one, whose ids Python may give to new records. Returns the index of
+        the next event."""
+        self._numbers.clear()
+        return len(self.events)
+
+    @contextmanager
+    def counted_as_host(self):
+        """Storages that appear while inside are host memory (offloaded shards), not the GPU's."""
+        self._on_host = True
+        try:
+            yield
+        finally:
+            self._on_host = False
 
     def observe(self, update, record):
         key = id(record)
@@ -35,7 +52,8 @@ class AllocationTrace:
         if update is _UpdateType.ADD or (update is _UpdateType.SIZE and not known):
             # a storage that first appears, or first grows from zero bytes (MemTracker adds none)
             number = self._numbers[key] = next(self._next_number)
-            self.events.append((ALLOC, number, record.mem_consumed, record.device.type,
+            device = "host" if self._on_host else record.device.type
+            self.events.append((ALLOC, number, record.mem_consumed, device,
                                 str(record.reftype.value)))
         elif not known:
             return  # tracked before recording began
@@ -90,18 +108,19 @@ def block_size(block):
     return block if isinstance(block, int) else block.size
 
 
-def replay(events, device_type, emulate_cuda, host_categories=frozenset()):
+def replay(events, device_type, emulate_cuda, host_categories=frozenset(), workspaces=True):
     """The peak that `events` reach on `device_type`, with its breakdown.
 
     With `emulate_cuda`, requests go through the caching allocator model (rounding, segments,
     cuBLAS workspaces at the first computed tensor) and storages whose category is in
     `host_categories` count as host memory; without, bytes are counted as MemTracker counts them.
+    `workspaces=False` leaves the cuBLAS workspaces out (model creation multiplies no matrices).
     """
     allocator = CachingAllocatorModel() if emulate_cuda else ExactCounter()
     storages = {}  # storage -> [bytes, category, block on the device or None]
     by_category = {}
     peak, host_now = Peak(), 0
-    workspaces_due = emulate_cuda
+    workspaces_due = emulate_cuda and workspaces
 
     def place(state):
         nonlocal host_now

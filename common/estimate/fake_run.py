@@ -6,7 +6,7 @@ name, and on that module object only the helpers it imports by name that need da
 other processes or a screen are replaced: `load_data` (batches of the preset's shapes),
 `create_model` (the preset's architecture, no weights), `evaluate` (skipped), `Progress`
 (silent), `MemoryMeter` (the script's own meter, its result kept on this rank),
-`measure_creation` (not measured), `report` (kept, not printed) and `init_distributed` (a fake
+`measure_creation` (measured on the fake tensors), `report` (kept, not printed) and `init_distributed` (a fake
 process group of N ranks). Precision, autocast, loss scaling, accumulation, optimizer,
 scheduler, sharding, offload and checkpointing are the script's own code.
 
@@ -19,14 +19,12 @@ import argparse
 import io
 import os
 import sys
-import types
 from contextlib import ExitStack, contextmanager, nullcontext, redirect_stderr
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
 
 from common.data import Data
 from common.estimate import gpu_choices
@@ -36,8 +34,9 @@ from common.estimate.fake_tensor_patches import (FakeModeReadingZeros, device_me
                                with_global_peak_only)
 from common.estimate.script_import import import_script
 from common.memory import MemoryMeter
+from common.memory import measure_creation as real_measure_creation
 from common.progress import Progress
-from common.model import vit_config
+from common.model import initialise, offloads_to_host, vit_config
 
 QUICK_RUN = ["--max-steps", "2", "--epochs", "1"]  # a run's peak falls within two optimizer steps
 COMPUTE_DEVICE = torch.device("cpu")  # fake tensors stand for GPU memory here (see gpu_choices.py)
@@ -62,6 +61,11 @@ class FakeRun:
     meter_result: dict = None
     trace: AllocationTrace = field(default_factory=AllocationTrace)
     offloaded: bool = False  # FSDP keeps the sharded state in host memory (CPUOffloadPolicy)
+    creation: object = None  # what measure_creation measured, on fake tensors
+    creation_events: slice = field(default_factory=lambda: slice(0, 0))  # model creation's events
+
+    def training_events(self):
+        return self.trace.events[self.creation_events.stop:]
 
 
 class FakeLoader:
@@ -96,12 +100,15 @@ class SilentProgress(Progress):
         return []
 
 
-def device_context_active():
-    """True inside `with torch.device(...)`, as step 06 creates its model (the default device of
-    torch.get_default_device() is the CPU either way, so it cannot tell)."""
+def device_context():
+    """The device of the innermost `with torch.device(...)` (step 06 creates its model in one,
+    steps 07-09 on "meta"), or None outside one: torch.get_default_device() would answer "cpu"
+    both outside and inside `with torch.device("cpu")`, the fake run's device."""
     from torch.overrides import _get_current_function_mode_stack
     from torch.utils._device import DeviceContext
-    return any(isinstance(mode, DeviceContext) for mode in _get_current_function_mode_stack())
+    contexts = [mode for mode in _get_current_function_mode_stack()
+                if isinstance(mode, DeviceContext)]
+    return torch.device(contexts[-1].device) if contexts else None
 
 
 def materialise_fake(model, device):
@@ -136,14 +143,26 @@ def stand_ins(run, world_size):
 
     def create_model(preset, dtype=torch.float32):
         # outside a device context: the host (steps 01-05 then call .to(device)); inside one,
-        # the run's own device (steps 06 on create the model on it)
+        # the run's own device (step 06 creates the model on it), or meta (07-09 shard it first)
         from transformers import ViTForImageClassification
         if run.emulate_cuda:
             gpu_choices.register_gpu_attention()
         with torch.device("meta"):  # initialisers read values: build on meta, then swap in fakes
             model = ViTForImageClassification._from_config(
                 vit_config(preset), dtype=dtype, attn_implementation=attention)
-        return materialise_fake(model, COMPUTE_DEVICE if device_context_active() else host)
+        context = device_context()
+        if context is not None and context.type == "meta":
+            return model
+        model = materialise_fake(model, host if context is None else COMPUTE_DEVICE)
+        if not run.emulate_cuda:  # the CPU draws the initial weights where it trains: count them
+            initialise(model)
+        return model
+
+    def fill_shards(model, preset, device):
+        # each process's shards, allocated as the real helper allocates them, offloaded ones in
+        # host memory; no values to copy (the whole copy on process 0's host is not counted)
+        with run.trace.counted_as_host() if offloads_to_host(model) else nullcontext():
+            model.to_empty(device=COMPUTE_DEVICE)
 
     class FakeRunMeter(MemoryMeter):
         """The script's meter; its result stays on this rank (all fake ranks are alike)."""
@@ -161,7 +180,11 @@ def stand_ins(run, world_size):
 
     @contextmanager
     def measure_creation(device):
-        yield types.SimpleNamespace(peak_bytes=0)
+        # the real one, on fake tensors: its MemTracker's events are replayed for the GPU figure
+        start = run.trace.new_tracker()
+        with real_measure_creation(device) as run.creation:
+            yield run.creation
+        run.creation_events = slice(start, run.trace.new_tracker())
 
     def report(args, script, creation, meter, progress, test_accuracy):
         meter.result()
@@ -188,7 +211,8 @@ def stand_ins(run, world_size):
             "evaluate": lambda *args, **kwargs: float("nan"),
             "Progress": SilentProgress, "MemoryMeter": FakeRunMeter,
             "measure_creation": measure_creation, "report": report,
-            "init_distributed": init_distributed, "init_device_mesh": init_device_mesh}
+            "init_distributed": init_distributed, "init_device_mesh": init_device_mesh,
+            "fill_shards": fill_shards}
 
 
 @contextmanager
@@ -204,16 +228,6 @@ def process_group_only_through_init_distributed(script_name):
         yield
     finally:
         dist.init_process_group = INIT_PROCESS_GROUP
-
-
-def offloads_to_host(model):
-    """True when an FSDP2 module of `model` keeps its shards in host memory."""
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
-            group = module._get_fsdp_state()._fsdp_param_group
-            if group is not None and isinstance(group.offload_policy, CPUOffloadPolicy):
-                return True
-    return False
 
 
 def wants_cuda_emulation(argv):

@@ -37,17 +37,22 @@ def predict(script_path, argv, world_size=1):
     run = run_on_fake_tensors(script_path, argv, world_size)
     if run.emulate_cuda:
         host = HOST_CATEGORIES_WHEN_OFFLOADED if run.offloaded else frozenset()
-        peak = replay(run.trace.events, "cpu", emulate_cuda=True, host_categories=host)
+        peak = replay(run.training_events(), "cpu", emulate_cuda=True, host_categories=host)
         allocated, reserved = peak.allocated_bytes, peak.reserved_bytes
         breakdown, host_bytes = peak.breakdown_bytes, peak.host_bytes
-    else:  # the meter's own figure: what the real CPU run reports
+        created = replay(run.trace.events[run.creation_events], "cpu", emulate_cuda=True,
+                         workspaces=False)
+        init_allocated, init_reserved = created.allocated_bytes, created.reserved_bytes
+    else:  # the meter's own figures: what the real CPU run reports
         allocated = reserved = run.meter_result["peak_memory_bytes"]
         breakdown, host_bytes = run.meter_result["breakdown_bytes"], 0
+        init_allocated = init_reserved = run.creation.peak_bytes if run.creation else 0
     return {"script": run.script, "preset": run.record["preset"],
             "device": "cuda" if run.emulate_cuda else "cpu",
             "world_size": run.record["world_size"], "batch_size": run.record["batch_size"],
             "accum_steps": run.record["accum_steps"], "allocated_bytes": allocated,
-            "reserved_bytes": reserved, "breakdown_bytes": breakdown, "host_bytes": host_bytes}
+            "reserved_bytes": reserved, "breakdown_bytes": breakdown, "host_bytes": host_bytes,
+            "init_allocated_bytes": init_allocated, "init_reserved_bytes": init_reserved}
 
 
 def failure_message(error, script):
@@ -109,6 +114,9 @@ def summary(record):
                                             for name, value in record["breakdown_bytes"].items())]
     if record["host_bytes"]:
         lines.append(f"  offloaded to host memory: {in_units(record['host_bytes'])}")
+    lines.append(f"peak memory of creation {in_units(record['init_allocated_bytes'])}"
+                 + ("   (allocated on the GPU while the model is built, per process)" if gpu
+                    else "   (as measure_creation counts)"))
     published = published_gb(record)
     if published:
         lines.append(f"  the study measured {published:.2f} GB reserved: ratio "

@@ -109,18 +109,19 @@ def report_progress(done, row, outcome, total):
 
 def table(rows, outcomes):
     """The Markdown table of all predictions, with the study's figure where there is one."""
-    lines = ["| script | setting | allocated | reserved | study (reserved) | ratio |",
-             "|---|---|---:|---:|---:|---:|"]
+    lines = ["| script | setting | allocated | reserved | study (reserved) | ratio | creation |",
+             "|---|---|---:|---:|---:|---:|---:|"]
     for row, (record, problem, _) in zip(rows, outcomes):
         if record is None:
             flags = " ".join(row.argv) + (f", {row.world_size} processes" if row.world_size > 1 else "")
-            lines.append(f"| {row.script.stem} | {flags} | failed (see the note) | | | |")
+            lines.append(f"| {row.script.stem} | {flags} | failed (see the note) | | | | |")
             continue
         published = published_gb(record)
         ratio = f"{record['reserved_bytes'] / GB / published:.2f}" if published else ""
         lines.append(f"| {record['script']} | {setting(record)} | "
                      f"{in_units(record['allocated_bytes'])} | {in_units(record['reserved_bytes'])} | "
-                     f"{f'{published:.2f} GB' if published else ''} | {ratio} |")
+                     f"{f'{published:.2f} GB' if published else ''} | {ratio} | "
+                     f"{in_units(record['init_allocated_bytes'])} |")
     return "\n".join(lines)
 
 

@@ -171,6 +171,7 @@ class EstimateRow:
     reserved_bytes: float | None
     published_gb: float | None  # the study's max_memory_reserved for this exact setting
     breakdown_bytes: dict = field(default_factory=lambda: dict.fromkeys(BREAKDOWN_KEYS))
+    init_allocated_bytes: float | None = None  # model creation's peak on the GPU, per process
 
     def setting(self, separator=", "):
         """The run this prediction is for, in words: "batch 16, 4 micro-batches, 4 GPUs"."""
@@ -194,7 +195,8 @@ def estimate_row(record):
                        accum_steps=accum_steps,
                        allocated_bytes=finite(record.get("allocated_bytes")),
                        reserved_bytes=finite(record.get("reserved_bytes")), published_gb=published,
-                       breakdown_bytes=breakdown_of(record))
+                       breakdown_bytes=breakdown_of(record),
+                       init_allocated_bytes=finite(record.get("init_allocated_bytes")))
 
 
 def load_estimate_rows(results_dir):

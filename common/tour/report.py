@@ -144,7 +144,8 @@ def tour_markdown(rows, tour=None):
 
 
 def estimate_table(estimates):
-    header = ["script", "setting", "allocated GB", "reserved GB", "study GB", "reserved / study"]
+    header = ["script", "setting", "allocated GB", "reserved GB", "study GB", "reserved / study",
+              "creation GB"]
     lines = []
     for estimate in estimates:
         allocated = in_units(estimate.allocated_bytes, GB)
@@ -153,8 +154,8 @@ def estimate_table(estimates):
         ratio = reserved / published if reserved is not None and published else None
         lines.append([estimate.script, estimate.setting(), shown(allocated, ".2f"),
                       shown(reserved, ".2f"), shown(estimate.published_gb, ".2f"),
-                      shown(ratio, ".2f")])
-    return markdown_table(header, lines, "llrrrr")
+                      shown(ratio, ".2f"), shown(in_units(estimate.init_allocated_bytes, GB), ".2f")])
+    return markdown_table(header, lines, "llrrrrr")
 
 
 def unmatched_published(estimates):
@@ -170,7 +171,10 @@ def estimate_markdown(estimates):
              "Predicted on fake tensors by `python -m common.estimate`, without a GPU: allocated "
              "as `torch.cuda.max_memory_allocated`, reserved as `torch.cuda.max_memory_reserved`; "
              "GB = 10^9 bytes. \"study\" is the 2023 study's published `max_memory_reserved` for "
-             "the same script and setting (one A100, PyTorch 2.1 nightly).\n",
+             "the same script and setting (one A100, PyTorch 2.1 nightly). \"creation\" is the "
+             "GPU memory allocated while the model is built, per process (05 builds it in "
+             "float32 in host memory, so its GPU figure equals 06's; 07-09 build it on the meta "
+             "device and allocate only their shards, offloaded ones in host memory).\n",
              estimate_table(estimates)]
     missing = unmatched_published(estimates)
     if missing:

@@ -87,7 +87,8 @@ class Launch:
 def sharded_launch(gpu_count, nproc=None, device="auto"):
     """The processes and device for steps 07 on, on a machine with `gpu_count` visible GPUs.
 
-    One process per GPU needs at least 2 GPUs to shard anything; `nproc` caps the count.
+    One process per GPU needs at least 2 GPUs to shard anything; `nproc` caps the count, and it
+    is rounded down to a power of 2, as the presets' batches split evenly only into those.
     With fewer GPUs, or with --device cpu, 2 CPU processes (gloo) show the same technique.
     """
     if device == "cpu" or (device == "auto" and gpu_count < 2):
@@ -98,8 +99,11 @@ def sharded_launch(gpu_count, nproc=None, device="auto"):
     if gpu_count < 2:
         raise ValueError(f"--device cuda with {gpu_count} GPU(s): the sharded steps need at "
                          "least 2; use --device auto or cpu")
-    processes = min(gpu_count, nproc) if nproc else gpu_count
-    return Launch(processes, "cuda", f"{gpu_count} GPUs visible: {processes} processes, one per GPU")
+    usable = min(gpu_count, nproc) if nproc else gpu_count
+    processes = 1 << (usable.bit_length() - 1)  # a power of 2: every batch splits evenly
+    note = "" if processes == usable else f" (a power of 2 of the {usable} usable, so that batches split evenly)"
+    return Launch(processes, "cuda",
+                  f"{gpu_count} GPUs visible: {processes} processes, one per GPU{note}")
 
 
 def script_step(script, results_dir, passed_flags, launch):

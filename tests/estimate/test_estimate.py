@@ -47,7 +47,7 @@ def test_sharded_tiny_estimate_equals_the_real_single_process_run(name, tmp_path
 
 def test_the_recorded_order_replays_to_memtrackers_own_peak():
     run = run_on_fake_tensors(script_path("04"), NO_EMULATION)
-    replayed = replay(run.trace.events, "cpu", emulate_cuda=False)
+    replayed = replay(run.training_events(), "cpu", emulate_cuda=False)
     assert replayed.allocated_bytes == run.meter_result["peak_memory_bytes"]
     assert replayed.breakdown_bytes == run.meter_result["breakdown_bytes"]
 
@@ -74,7 +74,7 @@ def test_article_parameters_take_four_bytes_each_in_float32():
 
 def sharded_parameter_bytes(world_size):
     run = run_on_fake_tensors(script_path("07"), ["--batch-size", "16", *NO_EMULATION], world_size)
-    return sum(event[2] for event in run.trace.events
+    return sum(event[2] for event in run.training_events()
                if event[0] == ALLOC and event[4] == "Sharded Param")
 
 
@@ -203,8 +203,8 @@ def test_allocator_keeps_freed_large_blocks_and_hands_out_the_smallest_that_fits
 
 def test_emulation_adds_the_cublas_workspaces():
     run = run_on_fake_tensors(script_path("03"), [])
-    exact = replay(run.trace.events, "cpu", emulate_cuda=False).allocated_bytes
-    emulated = replay(run.trace.events, "cpu", emulate_cuda=True).allocated_bytes
+    exact = replay(run.training_events(), "cpu", emulate_cuda=False).allocated_bytes
+    emulated = replay(run.training_events(), "cpu", emulate_cuda=True).allocated_bytes
     assert emulated >= exact + CUBLAS_WORKSPACES * CUBLAS_WORKSPACE_BYTES
 
 
@@ -244,3 +244,18 @@ def test_a_script_that_starts_its_own_process_group_is_refused(tmp_path):
                             "    rank, world_size, device = init_distributed(args.device)")
     with pytest.raises(EstimateError, match="calls torch.distributed.init_process_group itself"):
         predict(own_group, [])
+
+
+@pytest.mark.parametrize("name", ["01", "05", "06"])
+def test_tiny_creation_estimate_equals_the_real_creation_peak(name, quick_records):
+    predicted = predict(script_path(name), NO_EMULATION)
+    assert predicted["init_allocated_bytes"] == quick_records[name]["init_peak_memory_bytes"]
+
+
+def test_sharded_creation_allocates_a_quarter_per_gpu_and_nothing_when_offloaded():
+    whole = predict(script_path("06"), ["--preset", "article"])["init_allocated_bytes"]
+    sharded = predict(script_path("07"), ["--preset", "article"], world_size=4)
+    offloaded = predict(script_path("08"), ["--preset", "article"], world_size=4)
+    assert whole >= 2 * parameter_count("article")  # the whole bfloat16 model on one GPU
+    assert sharded["init_allocated_bytes"] == pytest.approx(whole / 4, rel=0.05)
+    assert offloaded["init_allocated_bytes"] == 0  # the shards are made in host memory

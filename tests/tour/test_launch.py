@@ -10,6 +10,8 @@ from common.tour import runner
     (2, None, 2, "cuda"),   # one process per GPU
     (8, None, 8, "cuda"),
     (8, 4, 4, "cuda"),      # --nproc caps the processes
+    (6, None, 4, "cuda"),   # batches of 64 in 4 micro-batches do not split into 6 processes
+    (3, None, 2, "cuda"),
 ])
 def test_sharded_steps_take_one_gpu_per_process_or_the_cpu(gpus, nproc, processes, device):
     launch = runner.sharded_launch(gpus, nproc)

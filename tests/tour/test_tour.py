@@ -99,10 +99,11 @@ def test_report_table_rows_ratios_and_failures(recorded):
 def test_report_estimate_table_marks_the_studys_figures(recorded):
     write_report(recorded)
     rows = table_rows((recorded / "estimate.md").read_text())
-    assert rows["01_baseline"] == ["batch 64", "25.10", "26.50", "26.84", "0.99"]
-    assert rows["02_mixed_precision"][2:] == ["n/a", "18.21", "n/a"]  # no reserved figure recorded
+    assert rows["01_baseline"] == ["batch 64", "25.10", "26.50", "26.84", "0.99", "n/a"]  # no creation
+    assert rows["02_mixed_precision"][2:5] == ["n/a", "18.21", "n/a"]  # no reserved figure recorded
     assert rows["04_grad_accum"][:1] == ["batch 16, 4 micro-batches"]
-    assert rows["07_fsdp"][-2:] == ["n/a", "n/a"]  # the study has no 4-GPU figure for this setting
+    assert rows["07_fsdp"][-3:-1] == ["n/a", "n/a"]  # the study has no 4-GPU figure for this setting
+    assert rows["07_fsdp"][-1] == "0.16"  # creation, per GPU
     assert "03_bf16 at batch 64: 13.82 GB" in (recorded / "estimate.md").read_text()
 
 

@@ -1,0 +1,70 @@
+"""What only a CUDA GPU can show. Skipped, with the reason, on a machine without one.
+
+Every other test pins --device cpu: its figures are what a CPU run counts, also on a GPU machine.
+"""
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from common.model import create_model
+from common.presets import get_preset
+from conftest import ROOT, requires_cuda, requires_two_gpus, run_script, script_path
+
+ON_GPU = ["--epochs", "1", "--max-steps", "2", "--device", "cuda"]
+
+
+def model_bytes(dtype):
+    with torch.device("meta"):
+        model = create_model(get_preset("tiny"), dtype=dtype)
+    return sum(param.numel() * param.element_size() for param in model.parameters())
+
+
+@requires_cuda
+def test_mixed_precision_scales_the_loss_with_a_cuda_scaler(tmp_path, monkeypatch):
+    made_for = []
+
+    class RecordingScaler(torch.amp.GradScaler):
+        def __init__(self, device="cuda", *args, **kwargs):
+            made_for.append(device)
+            super().__init__(device, *args, **kwargs)
+
+    monkeypatch.setattr(torch.amp, "GradScaler", RecordingScaler)
+    record, meter = run_script("02", ON_GPU, tmp_path)
+    assert made_for == ["cuda"] and record["device"] == "cuda"
+    assert all(param.is_cuda and param.dtype == torch.float32 for param in meter.model.parameters())
+
+
+@requires_cuda
+def test_a_gpu_record_carries_the_allocators_figures(tmp_path):
+    record, _ = run_script("03", ON_GPU, tmp_path)
+    allocated, reserved = record["cuda_max_allocated_bytes"], record["cuda_max_reserved_bytes"]
+    assert 0 < record["peak_memory_bytes"] <= allocated <= reserved  # allocator rounds up, caches
+    assert sum(record["breakdown_bytes"].values()) == record["peak_memory_bytes"]
+
+
+@requires_cuda
+def test_on_device_init_creates_the_model_on_the_gpu_without_a_float32_copy(tmp_path):
+    records = {name: run_script(name, ON_GPU, tmp_path)[0] for name in ("05", "06")}
+    whole_bf16, whole_fp32 = model_bytes(torch.bfloat16), model_bytes(torch.float32)
+    # 05 builds float32 in host memory, then copies bfloat16 to the GPU; 06 builds on the GPU
+    assert records["05"]["init_host_peak_memory_bytes"] >= whole_fp32
+    assert records["06"]["init_host_peak_memory_bytes"] < whole_fp32 / 4  # one module at a time
+    assert whole_bf16 <= records["06"]["init_peak_memory_bytes"] < 1.5 * whole_bf16
+    # the same initial weights: the first loss matches exactly (later ones may differ in the last
+    # bits, since some CUDA backward kernels add up in no fixed order)
+    assert records["05"]["losses"][0] == records["06"]["losses"][0]
+
+
+@requires_two_gpus
+def test_fsdp_on_two_gpus_never_holds_the_whole_model_on_one(tmp_path):
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               "--nproc_per_node=2", str(script_path("07")), *ON_GPU, "--results-dir", str(tmp_path)]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    record = json.loads((tmp_path / "07_fsdp.json").read_text())
+    assert record["world_size"] == 2 and record["device"] == "cuda"
+    whole = model_bytes(torch.bfloat16)
+    assert all(peak < 0.75 * whole for peak in record["rank_init_peak_memory_bytes"])
