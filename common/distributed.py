@@ -10,14 +10,15 @@ import torch
 import torch.distributed as dist
 
 
-def cuda_index(local_rank, visible):
+def cuda_index(local_rank, visible, restricted):
     """The GPU for the process with this local rank when it sees `visible` GPUs.
 
     torchrun shows every process all of the machine's GPUs: process N takes GPU N. A launcher
-    that shows each process only its own GPU (CUDA_VISIBLE_DEVICES per process) leaves one
-    visible: that one.
+    that shows each process only its own GPU (`restricted`: CUDA_VISIBLE_DEVICES set for it)
+    leaves one visible: that one. Without such a setting, a second process on a one-GPU
+    machine has no GPU of its own, and is told so rather than colliding in NCCL.
     """
-    if visible == 1:
+    if visible == 1 and restricted:
         return 0
     if local_rank >= visible:
         raise SystemExit(f"error: process {local_rank} on this machine has no GPU of its own: "
@@ -35,7 +36,8 @@ def init_distributed(device):
     launched_by_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     if device.type == "cuda":
         device = torch.device("cuda", cuda_index(int(os.environ.get("LOCAL_RANK", 0)),
-                                                 torch.cuda.device_count()))
+                                                 torch.cuda.device_count(),
+                                                 "CUDA_VISIBLE_DEVICES" in os.environ))
         torch.cuda.set_device(device)  # collectives and default allocations go to this GPU
     backend = "nccl" if device.type == "cuda" else "gloo"
     device_id = device if device.type == "cuda" else None  # binds nccl to this GPU at once

@@ -142,10 +142,19 @@ class MemoryMeter:
         return result
 
 
-def highest_over_processes(result):
-    """The result of the process with the highest peak, with every process's peak beside it."""
+def every_process(result):
+    """`result` as each process of the group has it (a collective: every process calls it), or
+    [result] when there is no group."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return [result]
     results = [None] * dist.get_world_size()
     dist.all_gather_object(results, result)
+    return results
+
+
+def highest_over_processes(result):
+    """The result of the process with the highest peak, with every process's peak beside it."""
+    results = every_process(result)
     highest = max(results, key=lambda each: each["peak_memory_bytes"])
     return {**highest, "rank_peak_memory_bytes": [each["peak_memory_bytes"] for each in results]}
 
@@ -161,8 +170,7 @@ class Creation:
         result = {"init_peak_memory_bytes": self.peak_bytes,
                   "init_host_peak_memory_bytes": self.host_peak_bytes}
         if dist.is_available() and dist.is_initialized():
-            results = [None] * dist.get_world_size()
-            dist.all_gather_object(results, result)
+            results = every_process(result)
             result = {name: max(each[name] for each in results) for name in result}
             result["rank_init_peak_memory_bytes"] = [each["init_peak_memory_bytes"]
                                                      for each in results]

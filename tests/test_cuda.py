@@ -6,7 +6,6 @@ import json
 import subprocess
 import sys
 
-import pytest
 import torch
 
 from common.model import create_model

@@ -198,16 +198,20 @@ def test_batches_are_pinned_only_for_a_cuda_device():
     assert load_data(preset, 64, torch.device("cuda")).train.pin_memory  # built, never iterated
 
 
-@pytest.mark.parametrize("local_rank, visible, index", [(0, 1, 0), (3, 1, 0), (1, 2, 1), (7, 8, 7)])
-def test_each_process_takes_its_own_gpu_or_the_one_it_sees(local_rank, visible, index):
+@pytest.mark.parametrize("local_rank, visible, restricted, index", [
+    (0, 1, False, 0), (3, 1, True, 0), (1, 2, False, 1), (7, 8, False, 7), (7, 8, True, 7)])
+def test_each_process_takes_its_own_gpu_or_the_one_it_is_shown(local_rank, visible, restricted,
+                                                                 index):
     from common.distributed import cuda_index
-    assert cuda_index(local_rank, visible) == index
+    assert cuda_index(local_rank, visible, restricted) == index
 
 
-def test_more_processes_than_gpus_stop_with_a_message():
+@pytest.mark.parametrize("local_rank, visible, restricted", [(2, 2, False), (1, 1, False)])
+def test_more_processes_than_gpus_stop_with_a_message(local_rank, visible, restricted):
     from common.distributed import cuda_index
-    with pytest.raises(SystemExit, match="process 2 on this machine has no GPU of its own: 2"):
-        cuda_index(2, 2)
+    with pytest.raises(SystemExit, match=f"process {local_rank} on this machine has no GPU of "
+                                         f"its own: {visible} visible"):
+        cuda_index(local_rank, visible, restricted)
 
 
 def test_offline_with_nothing_cached_says_what_is_missing_and_how_to_get_it(tmp_path):

@@ -5,7 +5,6 @@ import multiprocessing
 import os
 import re
 import resource
-import sys
 import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
