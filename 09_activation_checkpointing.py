@@ -22,7 +22,7 @@ from torch.utils.checkpoint import checkpoint
 # keep importing them by name. The list and the reasons: common/estimate/contract.py.
 from common.cli import check_batch_split, parse_args
 from common.data import load_data
-from common.distributed import init_distributed
+from common.distributed import end_distributed, init_distributed
 from common.evaluate import evaluate
 from common.memory import MemoryMeter, measure_creation
 from common.model import create_model, fill_shards, transformer_blocks
@@ -123,7 +123,7 @@ def main(argv=None):
         check_batch_split(args, world_size)  # equal micro-batches on every process
         return train(args, device)
     finally:
-        dist.destroy_process_group()
+        end_distributed()  # FSDP: leave the group and free it, before Python exits
 
 
 if __name__ == "__main__":

@@ -1,13 +1,17 @@
-"""Join the process group: one process per device, under torchrun or alone.
+"""Join the process group (one process per device, under torchrun or alone), and leave it.
 
 Under `torchrun --nproc_per_node=N script.py` each process finds its rank and the group's
 rendezvous in environment variables that torchrun sets. Started as `python script.py`, the
 process forms a group of one, so the same script runs unchanged on a laptop.
 """
+import gc
 import os
+import sys
+import traceback
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 
 
 def cuda_index(local_rank, visible, restricted):
@@ -48,3 +52,24 @@ def init_distributed(device):
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
                                 device_id=device_id)
     return dist.get_rank(), dist.get_world_size(), device
+
+
+def end_distributed():
+    """Leave the process group and free it now, so that its threads end before Python does.
+
+    `destroy_process_group` only forgets the group: the group is freed, and its threads joined,
+    once nothing holds it. Two things still do: DTensor, which FSDP's shards are, caches how it
+    shards each operator it has seen, with the device mesh and through it the group; and a
+    sharded model is a reference cycle (FSDP's state and its module point at each other), which
+    only the garbage collector frees. A gloo group still alive when Python shuts down keeps its
+    worker threads, and one that then releases a finished collective's tensors aborts the
+    process ("terminate called without an active exception") after a run that succeeded.
+    Called while an error propagates, it first lets go of the failed run's variables, which
+    the error's traceback would keep until Python shuts down (the traceback still prints).
+    """
+    error = sys.exc_info()[1]
+    if error is not None:
+        traceback.clear_frames(error.__traceback__)
+    _clear_sharding_prop_cache()  # this thread's: 07-09 run no DTensor operator in another
+    dist.destroy_process_group()
+    gc.collect()  # the model's cycle, while Python can still run the group's threads to the end

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch.distributed._tools import mod_tracker
 from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 from torch.distributed._tools.mem_tracker import MemTracker
 from torch.distributed.fsdp import FSDPModule
@@ -119,7 +120,7 @@ class MemoryMeter:
         self.synchronize()  # the time left out is this step's, also on a GPU
         start = time.perf_counter()
         try:
-            with self.tracker:  # entering starts a new peak: keep the highest one seen
+            with self.tracker, removing_input_hooks():  # a new peak on entering: keep the highest
                 yield
         finally:
             hook.remove()
@@ -140,6 +141,35 @@ class MemoryMeter:
         if dist.is_available() and dist.is_initialized():
             result = highest_over_processes(result)
         return result
+
+
+@contextmanager
+def removing_input_hooks():
+    """Remove, when the block ends, the gradient hooks the tracker puts on module inputs.
+
+    MemTracker's module tracker (torch 2.13) hooks each module's inputs with
+    `register_multi_grad_hook`, whose hook keeps the inputs' grad_fn in its closure: a cycle
+    through the autograd graph's C++ nodes that the garbage collector cannot see, so those
+    nodes outlive the step. On a sharded model (07-09) they also hold FSDP's own hooks, and with
+    them the model and its process group: the group then outlives `destroy_process_group`, and
+    its gloo threads can abort the interpreter at exit ("terminate called without an active
+    exception"). The block's backward has run when it ends, so the hooks have done their work.
+    """
+    handles = []
+    register = mod_tracker.register_multi_grad_hook
+
+    def register_and_keep(*args, **kwargs):
+        handle = register(*args, **kwargs)
+        handles.append(handle)
+        return handle
+
+    mod_tracker.register_multi_grad_hook = register_and_keep
+    try:
+        yield
+    finally:
+        mod_tracker.register_multi_grad_hook = register
+        for handle in handles:
+            handle.remove()
 
 
 def every_process(result):
