@@ -1,10 +1,11 @@
-"""01 baseline: finetune a Vision Transformer in full float32.
+"""01 baseline: finetune a transformer classifier (images or text) in full float32.
 
 The reference run. Every later script is this one plus one memory technique, so
 `diff 01_baseline.py 02_mixed_precision.py` shows exactly what that technique changes.
 
   python 01_baseline.py                   # tiny preset: offline, about 30 s on a laptop CPU
   python 01_baseline.py --preset article  # the study: ViT-L/16 on CIFAR-10 (GPU and network)
+  python 01_baseline.py --preset tiny-text  # text: a pretrained MiniLM on movie reviews
   python 01_baseline.py --estimate        # predict peak GPU memory without a GPU
 """
 import torch
@@ -13,7 +14,7 @@ import torch.nn.functional as F
 # --estimate runs main() on fake tensors with stand-ins for these names (no data, no download):
 # keep importing them by name. The list and the reasons: common/estimate/contract.py.
 from common.cli import parse_args
-from common.data import load_data
+from common.data import load_data, to_device
 from common.evaluate import evaluate
 from common.memory import MemoryMeter, measure_creation
 from common.model import create_model
@@ -22,10 +23,10 @@ from common.progress import Progress
 from common.summary import report
 
 
-def train_step(model, optimizer, images, labels, device):
+def train_step(model, optimizer, inputs, labels, device):
     """One optimizer step on one batch; returns the loss."""
-    images, labels = images.to(device), labels.to(device)
-    logits = model(pixel_values=images).logits
+    inputs, labels = to_device(inputs, device), labels.to(device)
+    logits = model(**inputs).logits
     loss = F.cross_entropy(logits, labels)
     loss.backward()
     optimizer.step()
@@ -50,9 +51,9 @@ def train(args, device):
     progress = Progress(total_steps)  # progress lines, the losses and the training clock
     model.train()
     for epoch in range(args.epochs):
-        for images, labels in data.train:
+        for inputs, labels in data.train:
             with meter.step():
-                loss = train_step(model, optimizer, images, labels, device)
+                loss = train_step(model, optimizer, inputs, labels, device)
             progress.step(epoch, loss)
             if progress.steps == total_steps:
                 break

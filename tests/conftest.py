@@ -14,6 +14,9 @@ from common.estimate.script_import import import_script  # noqa: E402 (needs the
 # that only a GPU can answer are marked `requires_cuda` and skipped, with the reason, elsewhere.
 CPU = ["--device", "cpu"]
 QUICK = ["--epochs", "1", "--max-steps", "2", *CPU]  # the memory peak is reached within two steps
+TEXT = ["--preset", "tiny-text"]
+# tiny-text's train/validation/test sizes in tests: two batches to train on, quick evaluations
+SMALL_SNIPPET_SPLITS = (64, 32, 32)
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(),
                                    reason="needs a CUDA GPU; this machine has none")
 requires_two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2,
@@ -52,6 +55,13 @@ def run_script(name, args, results_dir, module=None):
     device = [] if "--device" in args else CPU  # a CPU run unless the test asks otherwise
     record = module.main([*args, *device, "--results-dir", str(results_dir)])
     return record, captured.meter
+
+
+@pytest.fixture
+def small_snippets(monkeypatch):
+    """tiny-text trains and evaluates on SMALL_SNIPPET_SPLITS in this test."""
+    import common.data
+    monkeypatch.setattr(common.data, "SNIPPET_SPLITS", SMALL_SNIPPET_SPLITS)
 
 
 @pytest.fixture(scope="session")

@@ -21,8 +21,9 @@ import torch
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from conftest import load_script  # first: it puts the repository on sys.path
+from conftest import SMALL_SNIPPET_SPLITS, load_script  # first: it puts the repository on sys.path
 
+import common.data
 from common.memory import TRACKED_STEPS
 
 
@@ -49,16 +50,17 @@ class Probe:
         self.gradients = None
 
     def watch(self, train_step):
-        def watched_train_step(model, optimizer, images, labels, *args, **kwargs):
+        def watched_train_step(model, optimizer, inputs, labels, *args, **kwargs):
             if not self.notes["between_steps"]:
                 self.first_look(model, optimizer)
-            self.notes["batches"].append({"size": len(labels), "image_sum": images.sum().item()})
+            self.notes["batches"].append({"size": len(labels), "input_sum": sum(
+                tensor.double().sum().item() for tensor in inputs.values())})
             state = [value for per_parameter in optimizer.state.values()
                      for value in per_parameter.values() if torch.is_tensor(value)]
             self.notes["between_steps"].append({
                 "parameters": device_types(local(p) for p in model.parameters()),
                 "optimizer_state": device_types(state)})
-            return train_step(model, optimizer, images, labels, *args, **kwargs)
+            return train_step(model, optimizer, inputs, labels, *args, **kwargs)
         return watched_train_step
 
     def first_look(self, model, optimizer):
@@ -84,6 +86,7 @@ class Probe:
 
 def main():
     out_dir, name, argv = Path(sys.argv[1]), sys.argv[2], sys.argv[3:]
+    common.data.SNIPPET_SPLITS = SMALL_SNIPPET_SPLITS  # tiny-text: quick evaluations
     script = load_script(name)
     script.DTYPE = torch.float32
     probe = Probe(out_dir)

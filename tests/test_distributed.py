@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from common.presets import get_preset
-from conftest import ROOT, load_script, run_script, script_path
+from conftest import ROOT, TEXT, load_script, run_script, script_path
 
 # 2 tracked steps and one more; whole batches (no micro-batches), so that the activations
 # checkpointing saves outweigh the few hundred KiB by which the collectives' buffers vary
@@ -70,24 +70,25 @@ def probed_runs(tmp_path_factory):
     """probed_runs("07") runs 07 once per test module, on first use."""
     runs = {}
 
-    def run(name):
-        if name not in runs:
+    def run(name, extra=()):
+        key = (name, *extra)
+        if key not in runs:
             out_dir = tmp_path_factory.mktemp(f"run{name}")
             command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                        f"--nproc_per_node={WORLD_SIZE}", "tests/fsdp_probe.py", out_dir, name,
-                       *RUN, "--results-dir", out_dir / "results"]
+                       *RUN, *extra, "--results-dir", out_dir / "results"]
             code, output = run_to_end(command)
             assert code == 0, output
-            runs[name] = ProbedRun(out_dir)
-        return runs[name]
+            runs[key] = ProbedRun(out_dir)
+        return runs[key]
     return run
 
 
-def one_process_fp32(name, results_dir):
+def one_process_fp32(name, results_dir, extra=()):
     """A step run as one plain process, in this one, in float32; returns its record."""
     script = load_script(name)
     script.DTYPE = torch.float32
-    return run_script(name, RUN, results_dir, module=script)[0]
+    return run_script(name, [*RUN, *extra], results_dir, module=script)[0]
 
 
 @pytest.fixture(scope="module")
@@ -107,12 +108,24 @@ def test_two_processes_follow_the_loss_of_one_with_the_same_global_batch(probed_
 
 
 @pytest.mark.timeout(PROBED_TEST_TIMEOUT)
+def test_two_processes_follow_one_on_text(probed_runs, small_snippets, tmp_path):
+    """tiny-text: token ids and padding masks sliced across processes, a pretrained model's
+    weights filled into the shards from process 0's copy."""
+    sharded = probed_runs("07", TEXT).record
+    single = one_process_fp32("06", tmp_path, TEXT)
+    assert sharded["preset"] == single["preset"] == "tiny-text"
+    assert sharded["world_size"] == 2 and sharded["steps"] == single["steps"] == 2
+    torch.testing.assert_close(torch.tensor(sharded["losses"]), torch.tensor(single["losses"]),
+                               **LOSS_TOLERANCE)
+
+
+@pytest.mark.timeout(PROBED_TEST_TIMEOUT)
 def test_each_process_trains_on_its_own_half_of_every_batch(probed_runs):
     batches = [run["batches"] for run in probed_runs("07").ranks]
     assert [len(seen) for seen in batches] == [3, 3]
     for first, second in zip(*batches):
         assert first["size"] == second["size"] == get_preset("tiny").batch_size // WORLD_SIZE
-        assert first["image_sum"] != second["image_sum"]  # different samples
+        assert first["input_sum"] != second["input_sum"]  # different samples
 
 
 @pytest.mark.timeout(PROBED_TEST_TIMEOUT)

@@ -51,9 +51,10 @@ def test_memory_figures_repeat_exactly_with_the_same_seed(quick_records, tmp_pat
 
 
 def batch(size=8, seed=0):
+    """(inputs, labels) of random images, as the tiny preset's loader gives them."""
     generator = torch.Generator().manual_seed(seed)
     images = torch.randn(size, 3, 32, 32, generator=generator)
-    return images, torch.randint(0, 10, (size,), generator=generator)
+    return {"pixel_values": images}, torch.randint(0, 10, (size,), generator=generator)
 
 
 def test_mixed_precision_runs_float16_activations_on_float32_weights(tmp_path):
@@ -110,11 +111,11 @@ def test_accumulated_gradient_equals_the_whole_batch_gradient():
     script.DTYPE = torch.float32  # compare in float32, where summation order is the only difference
     torch.manual_seed(0)
     model = create_model(get_preset("tiny"))
-    images, labels = batch(16)
+    inputs, labels = batch(16)
     gradients = {}
     for accum_steps in (1, 4):
         capture = GradientCapture(model)
-        script.train_step(model, capture, images, labels, torch.device("cpu"), accum_steps)
+        script.train_step(model, capture, inputs, labels, torch.device("cpu"), accum_steps)
         gradients[accum_steps] = capture.gradients
     for whole, accumulated in zip(gradients[1], gradients[4]):
         torch.testing.assert_close(accumulated, whole, rtol=1e-5, atol=1e-7)
@@ -283,7 +284,7 @@ def test_05_and_06_start_from_the_same_weights_on_a_gpu():
 
 def test_initial_weights_follow_the_models_own_rules():
     model = initial_weights(torch.float32, "cpu")
-    std = get_preset("tiny").vit["initializer_range"]
+    std = get_preset("tiny").config["initializer_range"]
     for name, param in model.named_parameters():
         if "norm" in name:
             assert torch.all(param == (1 if name.endswith("weight") else 0)), name

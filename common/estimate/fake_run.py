@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from common.data import Data
+from common.data import SNIPPET_SPLITS, Data
 from common.estimate import gpu_choices
 from common.estimate.allocation_trace import AllocationTrace
 from common.estimate.fake_tensor_patches import (FakeModeReadingZeros, device_meshes_made_for_real,
@@ -35,14 +35,17 @@ from common.estimate.fake_tensor_patches import (FakeModeReadingZeros, device_me
 from common.estimate.script_import import import_script
 from common.memory import MemoryMeter
 from common.memory import measure_creation as real_measure_creation
+from common.model import (classification_head, initialise, model_class, model_config,
+                          offloads_to_host)
+from common.presets import is_text
 from common.progress import Progress
-from common.model import initialise, offloads_to_host, vit_config
 
 QUICK_RUN = ["--max-steps", "2", "--epochs", "1"]  # a run's peak falls within two optimizer steps
 COMPUTE_DEVICE = torch.device("cpu")  # fake tensors stand for GPU memory here (see gpu_choices.py)
 HOST_DEVICE = torch.device("meta")  # fake host memory, so that `.to(device)` copies as on a GPU
 # training samples per preset's data set, as common/data.py splits them
-TRAIN_SAMPLES = {"digits": 1797 - 360 - 180, "uoft-cs/cifar10": 50000 - 5000}
+TRAIN_SAMPLES = {"digits": 1797 - 360 - 180, "uoft-cs/cifar10": 50000 - 5000,
+                 "movie-snippets": SNIPPET_SPLITS[0]}
 
 
 INIT_PROCESS_GROUP = dist.init_process_group  # the real one, for the fake group
@@ -74,17 +77,24 @@ class FakeLoader:
     def __init__(self, preset, batch_size, samples, host, rank=0, world_size=1):
         self.batches = samples // batch_size
         # each process takes every world_size-th sample of a global batch (common/data.py)
-        self.shape = (len(range(rank, batch_size, world_size)), 3, preset.image_size,
-                      preset.image_size)
-        self.host = host
+        self.samples = len(range(rank, batch_size, world_size))
+        self.preset, self.host = preset, host
 
     def __len__(self):
         return self.batches
 
+    def inputs(self):
+        """The model's inputs by name, as common/data.py's batches hold them."""
+        size, preset = self.samples, self.preset
+        if is_text(preset):  # token ids, and a mask of ones (every sequence of full length)
+            return {name: torch.ones(size, preset.max_length, dtype=torch.int64, device=self.host)
+                    for name in ("input_ids", "attention_mask")}
+        return {"pixel_values": torch.empty(size, 3, preset.image_size, preset.image_size,
+                                            device=self.host)}
+
     def __iter__(self):
         for _ in range(self.batches):
-            yield (torch.empty(self.shape, device=self.host),
-                   torch.zeros(self.shape[0], dtype=torch.int64, device=self.host))
+            yield self.inputs(), torch.zeros(self.samples, dtype=torch.int64, device=self.host)
 
 
 class SilentProgress(Progress):
@@ -144,18 +154,18 @@ def stand_ins(run, world_size):
     def create_model(preset, dtype=torch.float32):
         # outside a device context: the host (steps 01-05 then call .to(device)); inside one,
         # the run's own device (step 06 creates the model on it), or meta (07-09 shard it first)
-        from transformers import ViTForImageClassification
         if run.emulate_cuda:
             gpu_choices.register_gpu_attention()
         with torch.device("meta"):  # initialisers read values: build on meta, then swap in fakes
-            model = ViTForImageClassification._from_config(
-                vit_config(preset), dtype=dtype, attn_implementation=attention)
+            model = model_class(preset)._from_config(
+                model_config(preset), dtype=dtype, attn_implementation=attention)
         context = device_context()
         if context is not None and context.type == "meta":
             return model
         model = materialise_fake(model, host if context is None else COMPUTE_DEVICE)
         if not run.emulate_cuda:  # the CPU draws the initial weights where it trains: count them
-            initialise(model)
+            # all of them from scratch; a pretrained model's new head only (load_pretrained)
+            initialise(model, None if preset.model is None else [classification_head(model)])
         return model
 
     def fill_shards(model, preset, device):

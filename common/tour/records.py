@@ -77,7 +77,7 @@ class StepRow:
     breakdown_bytes: dict = field(default_factory=lambda: dict.fromkeys(BREAKDOWN_KEYS))
     train_seconds: float | None = None
     test_accuracy: float | None = None
-    test_samples: int | None = None  # how many test images the accuracy was measured on
+    test_samples: int | None = None  # how many test samples the accuracy was measured on
 
     def processes(self):
         """"2 processes, cpu" for a step run in several processes (and on which device), else ""."""

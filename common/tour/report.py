@@ -59,21 +59,21 @@ def interval_cell(row):
 
 
 def interval_note(rows):
-    """What the interval column means, and what one test image weighs when the steps agree on it.
+    """What the interval column means, and what one test sample weighs when the steps agree on it.
 
-    Accuracies of a few hundred images differ by chance from step to step; the note says how
+    Accuracies of a few hundred samples differ by chance from step to step; the note says how
     much, so that a reader does not take a point or two for an effect of the step.
     """
     counts = {row.test_samples for row in rows if row.accuracy_interval() is not None}
-    images = (f"{next(iter(counts))} test images, so one image is "
-              f"{100 / next(iter(counts)):.2f} percentage points"
-              if len(counts) == 1 else "each step's test images")
+    samples = (f"{next(iter(counts))} test samples, so one sample is "
+               f"{100 / next(iter(counts)):.2f} percentage points"
+               if len(counts) == 1 else "each step's test samples")
     return ('"95% interval": the Wilson score interval of the test accuracy measured on '
-            f"{images}: the accuracies on unseen images of the same kind that this measurement "
+            f"{samples}: the accuracies on unseen samples of the same kind that this measurement "
             "is consistent with, at 95% confidence. Where two steps' intervals overlap, the "
             "difference between their accuracies is not evidence that the step changed accuracy: "
-            "another draw of test images could reverse it. n/a: the record does not say how many "
-            "images were tested.\n")
+            "another draw of test samples could reverse it. n/a: the record does not say how many "
+            "samples were tested.\n")
 
 
 def tour_table(rows):

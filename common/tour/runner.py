@@ -1,6 +1,7 @@
-"""The tour: each numbered script in order on the default preset, the GPU estimate, then the report.
+"""The tour: each numbered script in order on one preset, the GPU estimate, then the report.
 
   python -m common.tour                  # all steps, then results/tour.md, tour.png, estimate.png
+  python -m common.tour --preset tiny-text   # the same steps on text, into results/tiny-text/
   python -m common.tour --steps 01 03 --max-steps 2 --epochs 1 --skip-estimate   # a quick look
   python -m common.tour --publish docs   # also copy the tables and charts to docs/ for the README
 
@@ -30,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from common.cli import positive_int
+from common.presets import PRESETS
 from common.atomic_write import atomic_path, write_json_atomically
 from common.tour.records import ESTIMATE_FILE, TOUR_FILE, read_json
 from common.tour.report import (ESTIMATE_CHART, ESTIMATE_TABLE, REPORT_FILES, TOUR_CHART,
@@ -39,6 +41,8 @@ ROOT = Path(__file__).resolve().parents[2]
 SCRIPT_PATTERN = "[0-9][0-9]_*.py"
 FIRST_DISTRIBUTED_STEP = 7  # 07_fsdp and after shard the model across processes
 CPU_PROCESSES = 2  # without 2 GPUs the sharded steps run as this many CPU processes
+DEFAULT_PRESET = "tiny"
+ESTIMATED_PRESETS = ("tiny", "article")  # whose tours end with the GPU estimate (article's)
 ESTIMATE_MODULE = "common.estimate"
 STEP_TIMEOUT = 3 * 3600  # seconds; an article-preset step on one GPU takes well under an hour
 ERROR_LINES = 20  # how much of a failed step's stderr the report keeps
@@ -237,8 +241,12 @@ def publish(results_dir, names, publish_dir):
 def parse_args(argv=None, scripts=()):
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--results-dir", type=Path, default=Path("results"),
-                        help="where the records, tables and charts go (default: results)")
+    parser.add_argument("--preset", choices=sorted(PRESETS), default=DEFAULT_PRESET,
+                        help=f"passed to every script (default: {DEFAULT_PRESET}; tiny-text: "
+                             "the steps on text, without the GPU estimate)")
+    parser.add_argument("--results-dir", type=Path,
+                        help="where the records, tables and charts go (default: results, or "
+                             "results/PRESET for another preset than tiny)")
     parser.add_argument("--steps", nargs="+", metavar="NN",
                         help="run only these steps, e.g. --steps 01 03 (default: all)")
     parser.add_argument("--max-steps", type=positive_int,
@@ -261,7 +269,10 @@ def parse_args(argv=None, scripts=()):
     args.scripts = select_scripts(list(scripts), args.steps, parser)
     if not args.scripts:
         parser.error(f"no numbered scripts ({SCRIPT_PATTERN}) found")
-    args.passed_flags = [*(["--max-steps", str(args.max_steps)] if args.max_steps else []),
+    if args.results_dir is None:
+        args.results_dir = Path("results") / ("" if args.preset == DEFAULT_PRESET else args.preset)
+    args.passed_flags = [*(["--preset", args.preset] if args.preset != DEFAULT_PRESET else []),
+                         *(["--max-steps", str(args.max_steps)] if args.max_steps else []),
                          *(["--epochs", str(args.epochs)] if args.epochs else []),
                          *(["--device", args.device] if args.device != "auto" else [])]
     import torch  # only here: the rest of the tour runs without it
@@ -284,7 +295,8 @@ def main(argv=None, scripts_dir=ROOT):
                  for script in args.scripts]
         if any(int(script.name[:2]) >= FIRST_DISTRIBUTED_STEP for script in args.scripts):
             print(f"sharded steps: {args.launch.reason}", flush=True)
-        estimate = None if args.skip_estimate else estimate_step(staging)
+        estimate = (None if args.skip_estimate or args.preset not in ESTIMATED_PRESETS
+                    else estimate_step(staging))
         total = len(steps) + (estimate is not None)
         outcomes = [run_step(step, staging, f"[{number}/{total}]", args.step_timeout)
                     for number, step in enumerate(steps, 1)]
@@ -292,6 +304,8 @@ def main(argv=None, scripts_dir=ROOT):
             estimate_outcome = run_step(estimate, staging, f"[{total}/{total}]", args.step_timeout)
         else:
             reason = ("--skip-estimate" if args.skip_estimate
+                      else f"the GPU estimate predicts the image steps (article preset), not "
+                           f"{args.preset}'s" if args.preset not in ESTIMATED_PRESETS
                       else f"this checkout has no {ESTIMATE_MODULE} module")
             estimate_outcome = {"script": "estimate", "status": "skipped", "error": reason}
         write_json_atomically(staging / TOUR_FILE, {

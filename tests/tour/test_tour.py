@@ -124,7 +124,7 @@ def test_report_tour_table_shows_the_accuracy_interval(recorded):
     assert rows["01_baseline"][8:10] == ["94.4%", "91.6-96.4%"]
     assert rows["07_fsdp (2 processes, cpu)"][8:10] == ["92.5%", "n/a"]  # no test_samples recorded
     assert rows["02_mixed_precision"][8:10] == ["n/a", "n/a"]  # no accuracy recorded
-    assert "one image is 0.28 percentage points" in text
+    assert "one sample is 0.28 percentage points" in text
     assert "not evidence that the step changed accuracy" in text
 
 
@@ -289,6 +289,19 @@ def test_tour_shows_failed_steps_and_runs_the_rest(tmp_path, monkeypatch, capfd)
     for name in ["tour.md", "tour.png", "estimate.md", "estimate.png"]:
         assert (docs / name).read_bytes() == (results / name).read_bytes()
     assert [path.name for path in results.iterdir() if path.name.startswith(".")] == []
+
+
+def test_a_text_tour_passes_its_preset_and_keeps_its_results_apart(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # where the default results directory goes
+    status = tour.main(["--preset", "tiny-text", "--steps", "01", "--max-steps", "2"],
+                       scripts_dir=FIXTURES / "fake_steps")
+    assert status == 0
+    results = tmp_path / "results" / "tiny-text"  # apart from the image tour's results/
+    table = (results / "tour.md").read_text()
+    assert "Preset tiny-text" in table
+    assert "skipped (the GPU estimate predicts the image steps (article preset), not " \
+           "tiny-text's)" in table
+    assert not (tmp_path / "results" / "01_writes_record.json").exists()
 
 
 @pytest.mark.timeout(60)
