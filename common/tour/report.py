@@ -124,8 +124,11 @@ def tour_markdown(rows, tour=None):
              "Peak memory: the tensors alive at the peak of the first two optimizer steps "
              "(the largest over processes), MiB = 2^20 bytes; \"vs 01\" divides it by "
              "01_baseline's. Training time leaves out those two measured steps.\n"]
-    if tour.get("passed_flags"):
-        parts.append(f"Quick run ({' '.join(tour['passed_flags'])}): training time and test "
+    flags = tour.get("passed_flags") or []
+    shortened = [f"{flag} {value}" for flag, value in zip(flags[::2], flags[1::2])
+                 if flag in ("--max-steps", "--epochs")]  # not --preset or --device
+    if shortened:
+        parts.append(f"Quick run ({' '.join(shortened)}): training time and test "
                      "accuracy are not those of full training.\n")
     launch = tour.get("sharded_launch")
     if isinstance(launch, dict) and launch.get("reason") and any(row.processes() for row in rows):
