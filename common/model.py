@@ -154,6 +154,9 @@ def fill_shards(model, preset, device):
         with torch.device("cpu"):
             source = create_model(preset, dtype=dtype)
     model.to_empty(device="cpu" if offloads_to_host(model) else device)  # offload: shards on the host
+    for module in model.modules():  # buffers (BERT's position ids) are not sharded or offloaded
+        for name, buffer in module.named_buffers(recurse=False):
+            module._buffers[name] = buffer.to(device)
     source_tensors = iter([*source.parameters(), *source.buffers()]) if source else None
     for tensor in [*model.parameters(), *model.buffers()]:
         if source is not None:
