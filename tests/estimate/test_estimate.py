@@ -51,6 +51,11 @@ def test_tiny_text_estimate_equals_the_peak_the_real_run_measures(name, small_sn
                                                                   rel=0.001)
 
 
+def test_a_gpu_estimate_of_text_says_it_is_not_modelled_yet():
+    with pytest.raises(EstimateError, match="does not yet model attention with a padding mask"):
+        predict(script_path("01"), TEXT)
+
+
 @pytest.mark.parametrize("name", ["07", "09"])
 def test_sharded_tiny_estimate_equals_the_real_single_process_run(name, tmp_path):
     real, _ = run_script(name, QUICK, tmp_path)  # QUICK runs on the CPU
