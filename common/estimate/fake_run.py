@@ -86,7 +86,9 @@ class FakeLoader:
     def inputs(self):
         """The model's inputs by name, as common/data.py's batches hold them."""
         size, preset = self.samples, self.preset
-        if is_text(preset):  # token ids, and a mask of ones (every sequence of full length)
+        # token ids, and a mask: fake, so transformers cannot see that it is all ones and builds
+        # the attention mask a padded batch gets (the usual case, and the larger one)
+        if is_text(preset):
             return {name: torch.ones(size, preset.max_length, dtype=torch.int64, device=self.host)
                     for name in ("input_ids", "attention_mask")}
         return {"pixel_values": torch.empty(size, 3, preset.image_size, preset.image_size,
@@ -138,7 +140,6 @@ def materialise_fake(model, device):
 def stand_ins(run, world_size):
     """The replacements for the helpers a script imports by name, keyed by that name."""
     host = HOST_DEVICE if run.emulate_cuda else COMPUTE_DEVICE
-    attention = gpu_choices.GPU_ATTENTION if run.emulate_cuda else "sdpa"
 
     def load_data(preset, batch_size, device=None, seed=0, rank=0, world_size=1):
         if preset.dataset not in TRAIN_SAMPLES:
@@ -154,13 +155,12 @@ def stand_ins(run, world_size):
     def create_model(preset, dtype=torch.float32):
         # outside a device context: the host (steps 01-05 then call .to(device)); inside one,
         # the run's own device (step 06 creates the model on it), or meta (07-09 shard it first)
-        if run.emulate_cuda:
-            if is_text(preset):  # transformers drops the fake all-ones mask: unmasked kernels
-                raise EstimateError(
-                    f"the GPU emulation does not yet model attention with a padding mask, which "
-                    f"the text preset {preset.name!r} takes on a GPU; add --device cpu for an "
-                    f"estimate of a CPU run, exact for this preset")
+        # the attention transformers picks by default: sdpa where the architecture has it (on a
+        # GPU, the kernel CUDA takes: gpu_choices.py), else its own code (BLOOM's "eager")
+        attention = "sdpa" if model_class(preset)._supports_sdpa else "eager"
+        if run.emulate_cuda and attention == "sdpa":
             gpu_choices.register_gpu_attention()
+            attention = gpu_choices.GPU_ATTENTION
         with torch.device("meta"):  # initialisers read values: build on meta, then swap in fakes
             model = model_class(preset)._from_config(
                 model_config(preset), dtype=dtype, attn_implementation=attention)

@@ -12,6 +12,12 @@ here, explicitly, as PyTorch 2.13 (the version pinned here) makes it on an A100:
   For backward both keep their inputs, their output and a float32 log-sum-exp per query row;
   the memory-efficient kernel pads the rows to a multiple of 32. The CPU's kernel keeps a
   log-sum-exp of another shape, hence the switch (`gpu_attention`).
+- Attention with a padding mask (text): flash attention takes no mask, so every dtype runs the
+  memory-efficient kernel. scaled_dot_product_attention first turns transformers' boolean mask
+  into an additive one of the query's dtype, one (batch, 1, queries, keys) tensor per layer
+  (`torch.where`), padded to a multiple of 8 keys when needed; the kernel keeps it for backward.
+  Architectures whose attention is their own code (BLOOM's "eager") run the same operators on
+  both devices and need no switch.
 - Optimizers: with foreach=None on CUDA tensors, every torch.optim optimizer takes its foreach
   implementation (on the CPU, the for-loop one). Foreach Adam holds one temporary the size of
   all parameters at once (the square root of the second moment; the June 2023 build the study
@@ -54,26 +60,52 @@ GPU_ATTENTION = "gpu_kernels"         # the transformers attention implementatio
 HOST_CATEGORIES_WHEN_OFFLOADED = frozenset({"Sharded Param", "Sharded Grad", "OptState"})
 
 
-def gpu_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
-    """transformers attention on the kernel CUDA would pick: flash for half types, else efficient.
+MEMORY_EFFICIENT_MASK_ALIGNMENT = 8  # keys, as scaled_dot_product_attention pads the mask
 
-    Calls the CUDA kernels' own aten operators; on fake tensors they run their shape functions,
-    so autograd keeps exactly what the CUDA kernels keep for backward.
+
+def gpu_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    """transformers attention on the kernel CUDA would pick: flash for half types without a mask,
+    else the memory-efficient kernel (with a padding mask as its additive bias).
+
+    Calls the CUDA kernels' own aten operators, after the steps scaled_dot_product_attention
+    takes on CUDA first; on fake tensors they run their shape functions, so autograd keeps
+    exactly what the CUDA kernels keep for backward.
     """
-    if attention_mask is not None:  # the ViT passes none; masks take other kernels on CUDA
-        raise NotImplementedError("the GPU attention model covers unmasked attention only")
-    if query.dtype in (torch.float16, torch.bfloat16):
+    compute_log_sum_exp = torch.is_grad_enabled() and any(
+        tensor.requires_grad for tensor in (query, key, value))
+    if attention_mask is None and query.dtype in (torch.float16, torch.bfloat16):
         output = torch.ops.aten._scaled_dot_product_flash_attention(
             query, key, value, dropout, False, False, scale=scaling)[0]
     else:
+        bias = None if attention_mask is None else additive_mask(attention_mask, query, key)
         output = torch.ops.aten._scaled_dot_product_efficient_attention(
-            query, key, value, None, torch.is_grad_enabled(), dropout, False, scale=scaling)[0]
+            query, key, value, bias, compute_log_sum_exp, dropout, False, scale=scaling)[0]
     return output.transpose(1, 2).contiguous(), None  # (batch, tokens, heads, head size), as sdpa's
 
 
+def additive_mask(mask, query, key):
+    """The bias scaled_dot_product_attention gives the memory-efficient kernel for a boolean mask
+    (convert_boolean_attn_mask, then preprocess_mask): 0 where attended, -inf elsewhere, in the
+    query's dtype; padded to a multiple of 8 keys unless already aligned; expanded over heads."""
+    if mask.dtype == torch.bool:
+        minus_infinity = torch.full((), float("-inf"), dtype=query.dtype, device=query.device)
+        mask = torch.where(mask, 0.0, minus_infinity)
+    aligned = mask.stride(-1) == 1 and all(
+        stride % MEMORY_EFFICIENT_MASK_ALIGNMENT == 0 for stride in mask.stride()[:-1])
+    if not aligned:
+        keys = mask.shape[-1]
+        padding = MEMORY_EFFICIENT_MASK_ALIGNMENT - keys % MEMORY_EFFICIENT_MASK_ALIGNMENT
+        mask = torch.nn.functional.pad(mask, (0, padding))[..., :keys]
+    return mask.expand(query.shape[0], query.shape[1], query.shape[2], key.shape[2])
+
+
 def register_gpu_attention():
+    """Register `gpu_attention`, and with it sdpa's masks (without a registered mask function
+    transformers would pass it none)."""
     from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
     AttentionInterface.register(GPU_ATTENTION, gpu_attention)
+    AttentionMaskInterface.register(GPU_ATTENTION, sdpa_mask)
 
 
 def foreach_as_on_cuda(params, differentiable, use_fused=False):

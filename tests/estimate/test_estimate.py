@@ -51,11 +51,6 @@ def test_tiny_text_estimate_equals_the_peak_the_real_run_measures(name, small_sn
                                                                   rel=0.001)
 
 
-def test_a_gpu_estimate_of_text_says_it_is_not_modelled_yet():
-    with pytest.raises(EstimateError, match="does not yet model attention with a padding mask"):
-        predict(script_path("01"), TEXT)
-
-
 @pytest.mark.parametrize("name", ["07", "09"])
 def test_sharded_tiny_estimate_equals_the_real_single_process_run(name, tmp_path):
     real, _ = run_script(name, QUICK, tmp_path)  # QUICK runs on the CPU
@@ -241,6 +236,35 @@ def test_gpu_attention_takes_the_kernel_cuda_takes_for_the_dtype(dtype, kernel, 
         saved = "_saved_log_sumexp" if hasattr(node, "_saved_log_sumexp") else "_saved_logsumexp"
         log_sum_exp = getattr(node, saved)
         assert log_sum_exp.shape == (2, 4, kept_rows) and log_sum_exp.dtype == torch.float32
+
+
+@pytest.mark.parametrize("keys, kept_keys", [(48, 48), (45, 48)])  # padded to 8s, as on CUDA
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gpu_attention_with_a_padding_mask_keeps_it_as_a_bias(dtype, keys, kept_keys):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from common.estimate.gpu_choices import gpu_attention
+    with FakeTensorMode():
+        query = torch.empty(2, keys, 4, 32, dtype=dtype).transpose(1, 2).requires_grad_()
+        padding = torch.ones(2, keys, dtype=torch.bool)  # what transformers' sdpa_mask gives
+        mask = padding[:, None, None, :].expand(2, 1, keys, keys)
+        output, _ = gpu_attention(None, query, query, query, mask, scaling=0.125)
+        node = output.grad_fn.next_functions[0][0]
+        assert type(node).__name__ == "ScaledDotProductEfficientAttentionBackward0"
+        bias = node._saved_attn_bias
+        assert bias.shape == (2, 4, keys, keys) and bias.dtype == dtype
+        assert bias.untyped_storage().nbytes() == 2 * keys * kept_keys * dtype.itemsize
+
+
+def test_the_gpu_estimate_of_text_gives_every_layer_the_padding_mask(monkeypatch):
+    """A fake mask cannot show transformers that it is all ones (no padding, so no mask)."""
+    from common.estimate import gpu_choices
+    masks, original = [], gpu_choices.additive_mask
+    monkeypatch.setattr(gpu_choices, "additive_mask",
+                        lambda mask, *args: masks.append(mask.shape) or original(mask, *args))
+    predict(script_path("01"), TEXT)
+    preset = get_preset("tiny-text")
+    layers, length = preset.config["num_hidden_layers"], preset.max_length
+    assert masks == [(preset.batch_size, 1, length, length)] * layers * 2  # two steps' forwards
 
 
 @pytest.mark.parametrize("old, new, named", [
