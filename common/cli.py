@@ -37,7 +37,9 @@ def parse_args(description, argv=None, accum_steps=None):
     parser = argparse.ArgumentParser(description=description,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", choices=sorted(PRESETS), default="tiny",
-                        help="tiny: offline, CPU, seconds (default); article: ViT-L/16 on CIFAR-10")
+                        help="tiny: offline, CPU, seconds (default); article: ViT-L/16 on "
+                             "CIFAR-10; tiny-text: offline, a MiniLM on movie reviews; imdb: "
+                             "BLOOM-560m on IMDb (article and imdb: GPU and network)")
     parser.add_argument("--epochs", type=positive_int, help="default: the preset's")
     parser.add_argument("--batch-size", type=positive_int,
                         help="samples per optimizer step, over all processes (default: the preset's)")

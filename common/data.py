@@ -4,7 +4,8 @@ A batch is the model's inputs (a dict: `pixel_values`, or `input_ids` and `atten
 the labels. tiny: scikit-learn's handwritten digits (1,797 8x8 grey images, shipped inside the
 package), resized to 32x32 RGB. article: CIFAR-10 from the Hub at 224x224, split 45k/5k/10k as
 in the study. tiny-text: 10,568 Rotten Tomatoes snippets rated positive or negative by people
-(from a package on PyPI), tokenized to the preset's length.
+(from a package on PyPI), tokenized to the preset's length. imdb: the 50,000 IMDb movie reviews
+from the Hub, split 35k/5k/10k as in the LLM study.
 """
 from dataclasses import dataclass
 
@@ -20,6 +21,7 @@ from common.progress import is_main_process
 
 SPLIT_SEED = 0  # the train/validation/test split never depends on --seed
 SNIPPET_SPLITS = (1600, 500, 2000)  # train, validation, test; 6,468 snippets unused
+IMDB_SPLITS = (35000, 5000, 10000)  # the LLM study's: IMDb's train and test halves, joined
 
 
 @dataclass
@@ -117,10 +119,30 @@ def movie_snippet_datasets(preset):
             _, score, text = line.split("\t", 2)
             if float(score) != 0:
                 snippets.append((text.strip(), int(float(score) > 0)))
-    order = np.random.default_rng(SPLIT_SEED).permutation(len(snippets))
+    return text_splits(snippets, SNIPPET_SPLITS, preset)
+
+
+def imdb_datasets(preset):
+    """Train/validation/test splits (IMDB_SPLITS) of the 50,000 IMDb reviews (Maas et al.,
+    2011): the Hub's train and test halves joined and drawn anew, as the LLM study did; label 1
+    for a positive review."""
+    import datasets
+
+    require_hub(f"the data set {preset.dataset}")
+    with from_cache_when_offline(f"the data set {preset.dataset}"):
+        imdb = datasets.load_dataset(preset.dataset)
+    reviews = [(text, label) for half in ("train", "test")
+               for text, label in zip(imdb[half]["text"], imdb[half]["label"])]
+    return text_splits(reviews, IMDB_SPLITS, preset)
+
+
+def text_splits(examples, sizes, preset):
+    """Datasets of `sizes` (train, validation, test) examples (text, label), drawn by the fixed
+    SPLIT_SEED and tokenized for the preset's model; only the drawn texts are tokenized."""
+    order = np.random.default_rng(SPLIT_SEED).permutation(len(examples))
     splits, start = [], 0
-    for size in SNIPPET_SPLITS:
-        chosen = [snippets[index] for index in order[start:start + size]]
+    for size in sizes:
+        chosen = [examples[index] for index in order[start:start + size]]
         splits.append(([text for text, _ in chosen], [label for _, label in chosen]))
         start += size
     texts = [text for split_texts, _ in splits for text in split_texts]
@@ -197,6 +219,9 @@ def load_data(preset, batch_size, device, seed=0, rank=0, world_size=1):
         workers = 0
     elif preset.dataset == "movie-snippets":
         train, val, test = movie_snippet_datasets(preset)
+        workers = 0
+    elif preset.dataset == "stanfordnlp/imdb":
+        train, val, test = imdb_datasets(preset)  # tokenized once, in memory: no workers needed
         workers = 0
     else:
         train, val, test = cifar10_datasets(preset.dataset, preset.image_size)

@@ -36,7 +36,8 @@ def require_hub(what):
         endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co")
         raise HubUnavailable(
             f"could not fetch {what} from {endpoint}: the Hub is not reachable from this machine.\n"
-            "  Run offline with the default preset instead:  --preset tiny\n"
+            "  Run offline with a preset that needs no network instead:  --preset tiny (images)"
+            " or --preset tiny-text (text)\n"
             "  (or, if the files are already in your Hugging Face cache, set HF_HUB_OFFLINE=1)")
 
 
@@ -55,5 +56,6 @@ def from_cache_when_offline(what):
             f"HF_HUB_OFFLINE=1, but {what} is not in this machine's Hugging Face cache "
             f"({cache}): {reason}\n"
             "  Fetch it once with network access: run the same command without HF_HUB_OFFLINE=1\n"
-            "  (the download is cached), or run offline with the default preset:  --preset tiny"
+            "  (the download is cached), or run offline with a preset that needs no network:"
+            "  --preset tiny (images) or --preset tiny-text (text)"
         ) from None

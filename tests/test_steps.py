@@ -177,13 +177,16 @@ def test_a_batch_larger_than_the_training_set_stops_with_a_message(tmp_path):
     assert not list(tmp_path.iterdir())  # no record of a run that trained nothing
 
 
-def test_article_preset_offline_fails_at_once_naming_what_and_pointing_to_tiny(monkeypatch):
+@pytest.mark.parametrize("preset, what, instead", [("article", "uoft-cs/cifar10", "--preset tiny"),
+                                                   ("imdb", "stanfordnlp/imdb", "--preset tiny-text")])
+def test_a_hub_preset_offline_fails_at_once_naming_what_and_pointing_offline(monkeypatch, preset,
+                                                                             what, instead):
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     monkeypatch.setattr(hub, "hub_reachable", lambda timeout=3.0: False)
     with pytest.raises(SystemExit) as stop:
-        load_script("01").main(["--preset", "article", "--results-dir", "unused"])
+        load_script("01").main(["--preset", preset, "--results-dir", "unused"])
     message = str(stop.value.code)
-    assert "uoft-cs/cifar10" in message and "--preset tiny" in message
+    assert what in message and instead in message
 
 
 def test_hub_check_answers_quickly_when_nothing_listens(monkeypatch):

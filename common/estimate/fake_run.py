@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from common.data import SNIPPET_SPLITS, Data
+from common.data import IMDB_SPLITS, SNIPPET_SPLITS, Data
 from common.estimate import gpu_choices
 from common.estimate.allocation_trace import AllocationTrace
 from common.estimate.fake_tensor_patches import (FakeModeReadingZeros, device_meshes_made_for_real,
@@ -45,7 +45,7 @@ COMPUTE_DEVICE = torch.device("cpu")  # fake tensors stand for GPU memory here (
 HOST_DEVICE = torch.device("meta")  # fake host memory, so that `.to(device)` copies as on a GPU
 # training samples per preset's data set, as common/data.py splits them
 TRAIN_SAMPLES = {"digits": 1797 - 360 - 180, "uoft-cs/cifar10": 50000 - 5000,
-                 "movie-snippets": SNIPPET_SPLITS[0]}
+                 "movie-snippets": SNIPPET_SPLITS[0], "stanfordnlp/imdb": IMDB_SPLITS[0]}
 
 
 INIT_PROCESS_GROUP = dist.init_process_group  # the real one, for the fake group

@@ -267,6 +267,20 @@ def test_the_gpu_estimate_of_text_gives_every_layer_the_padding_mask(monkeypatch
     assert masks == [(preset.batch_size, 1, length, length)] * layers * 2  # two steps' forwards
 
 
+def test_the_imdb_estimate_keeps_blooms_float32_attention_probabilities_per_layer():
+    """BLOOM's attention is its own code: on a GPU as here, each layer keeps its softmax's
+    float32 probabilities for backward; the weights are bfloat16 in 04."""
+    preset = get_preset("imdb")
+    record = predict(script_path("04"), ["--preset", "imdb", "--accum-steps", "1"])
+    config = model_config(preset)
+    with torch.device("meta"):
+        parameters = sum(p.numel() for p in model_class(preset)._from_config(config).parameters())
+    assert record["breakdown_bytes"]["parameters"] == 2 * parameters
+    probabilities = (config.n_layer * preset.batch_size * config.n_head * preset.max_length ** 2
+                     * torch.float32.itemsize)
+    assert probabilities <= record["breakdown_bytes"]["activations"] < 3 * probabilities
+
+
 @pytest.mark.parametrize("old, new, named", [
     ("from common.data import load_data, to_device\n",
      "from common.data import load_data as read_batches, to_device\n", "does not import `load_data`"),
