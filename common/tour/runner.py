@@ -304,8 +304,9 @@ def main(argv=None, scripts_dir=ROOT):
             estimate_outcome = run_step(estimate, staging, f"[{total}/{total}]", args.step_timeout)
         else:
             reason = ("--skip-estimate" if args.skip_estimate
-                      else f"the GPU estimate predicts the image steps (article preset), not "
-                           f"{args.preset}'s" if args.preset not in ESTIMATED_PRESETS
+                      else f"the tour's GPU estimate predicts the image steps (article preset); "
+                           f"for text, python -m common.estimate --preset imdb"
+                      if args.preset not in ESTIMATED_PRESETS
                       else f"this checkout has no {ESTIMATE_MODULE} module")
             estimate_outcome = {"script": "estimate", "status": "skipped", "error": reason}
         write_json_atomically(staging / TOUR_FILE, {

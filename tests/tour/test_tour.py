@@ -299,8 +299,8 @@ def test_a_text_tour_passes_its_preset_and_keeps_its_results_apart(tmp_path, mon
     results = tmp_path / "results" / "tiny-text"  # apart from the image tour's results/
     table = (results / "tour.md").read_text()
     assert "Preset tiny-text" in table
-    assert "skipped (the GPU estimate predicts the image steps (article preset), not " \
-           "tiny-text's)" in table
+    assert "skipped (the tour's GPU estimate predicts the image steps (article preset); for " \
+           "text, python -m common.estimate --preset imdb)" in table
     assert not (tmp_path / "results" / "01_writes_record.json").exists()
 
 
