@@ -21,7 +21,7 @@ import torch
 
 from common.evaluate import evaluate
 from common.presets import get_preset
-from conftest import ROOT, TEXT, load_script, run_script, script_path
+from conftest import ROOT, TEXT, load_script, model_state_bytes, run_script, script_path
 
 # 2 tracked steps and one more; whole batches (no micro-batches), so that the activations
 # checkpointing saves outweigh the few hundred KiB by which the collectives' buffers vary
@@ -156,6 +156,16 @@ def test_the_record_carries_every_process_peak_and_the_highest(probed_runs):
     assert record["peak_memory_bytes"] == max(peaks)
     assert sum(record["breakdown_bytes"].values()) == record["peak_memory_bytes"]
     assert record["breakdown_bytes"]["optimizer_state"] == 0  # plain SGD keeps none
+
+
+@pytest.mark.timeout(PROBED_TEST_TIMEOUT)
+def test_model_state_per_parameter_counts_a_process_share_of_the_whole_model(probed_runs,
+                                                                             unsharded):
+    record = probed_runs("07").record
+    assert record["parameter_count"] == unsharded["parameter_count"]  # whole, not one shard
+    model_state = model_state_bytes(record["breakdown_bytes"])  # the highest peak's process's
+    assert record["model_state_bytes_per_parameter"] == model_state / (
+        record["parameter_count"] / WORLD_SIZE)
 
 
 class GivenLogits(torch.nn.Module):
