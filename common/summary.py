@@ -12,6 +12,15 @@ def mib(nbytes):
     return f"{nbytes / 2**20:,.2f} MiB"
 
 
+PER_PARAMETER = "model state B/param"  # tables' column of model_state_bytes_per_parameter
+PER_PARAMETER_NOTE = (
+    f'"{PER_PARAMETER}": the parameters, gradients and optimizer state at the peak, in bytes per '
+    "parameter: float32 weights with Adam hold 16 (4, 4 for the gradient, 8 for Adam's two "
+    "moments), bfloat16 ones 8, and 12 and 6 at a peak that comes before the gradients exist. "
+    "With N processes sharding the model, per parameter of a process's 1/N share (gathered "
+    "weights add to it): divide by N for its bytes per parameter of the whole model.")
+
+
 def model_state_words(per_parameter, parameter_count, world_size):
     """The model state at the peak per parameter, in words: per parameter of a process's share
     when `world_size` processes shard the model (steps 07-09), then per parameter of the whole."""

@@ -195,6 +195,7 @@ def test_the_table_covers_each_script_and_its_world_size(tmp_path, capsys):
     assert status == 0
     table = capsys.readouterr().out
     assert "| 02_mixed_precision |" in table and "2 GPUs" in table and "wall time" in table
+    assert "| model state B/param | activations |" in table
     records = {record["script"]: record for record in
                json.loads((tmp_path / "estimate.json").read_text())}
     assert records["02_mixed_precision"]["world_size"] == 1
