@@ -1,6 +1,13 @@
-"""Classification accuracy over a loader, summed over all processes when there are several."""
+"""Classification accuracy over a loader, counted over all processes when there are several.
+
+torchmetrics' MulticlassAccuracy counts the correct predictions and the wrong ones of each
+batch; with average="micro" its accuracy is correct / samples, the plain accuracy (its default,
+"macro", would average the accuracy of each class instead). Under a process group it gathers
+every process's counts and sums them (so processes that saw different numbers of samples are
+weighed by their samples); its counts live on the training device, as NCCL requires of CUDA.
+"""
 import torch
-import torch.distributed as dist
+from torchmetrics.classification import MulticlassAccuracy
 
 from common.data import to_device
 
@@ -21,14 +28,14 @@ def evaluate(model, loader, device, dtype=None):
     to the model's dtype."""
     was_training = model.training
     model.eval()
-    counts = torch.zeros(2, dtype=torch.float64, device=device)  # correct, seen
+    metric = MulticlassAccuracy(model.config.num_labels, average="micro",
+                                sync_on_compute=False).to(device)  # synced once, below
     for inputs, labels in loader:
-        inputs, labels = to_device(inputs, device, dtype), labels.to(device)
-        predictions = model(**inputs).logits.argmax(dim=-1)
-        counts[0] += (predictions == labels).sum()
-        counts[1] += labels.numel()
-    if dist.is_available() and dist.is_initialized():
-        dist.all_reduce(counts)
+        logits = model(**to_device(inputs, device, dtype)).logits
+        metric.update(logits, labels.to(device))  # the prediction is the highest logit
     model.train(was_training)
-    correct, seen = counts.tolist()
-    return Accuracy(correct / seen if seen else float("nan"), int(seen))
+    metric.sync()  # every process's counts, summed; nothing to do without a process group
+    # micro: tp counts the correct predictions, fn the wrong ones. compute() would divide them
+    # in float32; the record keeps the exact fraction, so that accuracy x samples is a count.
+    correct, samples = int(metric.tp), int(metric.tp + metric.fn)
+    return Accuracy(correct / samples if samples else float("nan"), samples)

@@ -35,6 +35,17 @@ CATEGORIES = {
     "Inputs": "activations", "All Gather": "temporaries", "Reduce Scatter": "temporaries",
 }
 BREAKDOWN_KEYS = ("parameters", "gradients", "optimizer_state", "activations", "temporaries")
+MODEL_STATE_KEYS = BREAKDOWN_KEYS[:3]  # the model's state, what "bytes per parameter" counts
+
+
+def model_state_bytes_per_parameter(breakdown, parameters_held):
+    """Parameters (with the model's buffers), gradients and optimizer state at the peak, in bytes
+    per parameter a process holds: all of the model's, or its 1/N share when N processes shard
+    it. So float32 Adam holds 16 once all its gradients exist (4 + 4 + 8), whatever N; gathered
+    copies of sharded weights add to it. None without parameters."""
+    if not parameters_held:
+        return None
+    return sum(breakdown[key] for key in MODEL_STATE_KEYS) / parameters_held
 
 
 def device_snapshot(snapshot, device):
@@ -76,6 +87,11 @@ class MemoryMeter:
     def __init__(self, device, model, optimizer):
         self.device, self.model, self.optimizer = device, model, optimizer
         self.tracker_factory = FSDPMemTracker if is_sharded(model) else memory_tracker
+        # the model's parameters, whole (a sharded one is a DTensor, whose shape is the whole's),
+        # and the share of them this process holds: 1/N of each when N processes shard them
+        self.parameter_count = sum(parameter.numel() for parameter in model.parameters())
+        self.parameters_held = self.parameter_count / (dist.get_world_size() if is_sharded(model)
+                                                       else 1)
         self.tracker = None
         self.steps_seen = self.steps_taken = 0
         optimizer.register_step_post_hook(self.count_step_taken)  # not called for a skipped step
@@ -131,9 +147,12 @@ class MemoryMeter:
             self.peak_bytes, self.breakdown = stats["Total"], fold_breakdown(stats)
 
     def result(self):
-        """Peak bytes and its breakdown (tracked steps), and on CUDA the allocator's own peaks
-        over the whole run."""
+        """Peak bytes and its breakdown (tracked steps), the model's parameters and its state per
+        parameter at the peak, and on CUDA the allocator's own peaks over the whole run."""
         result = {"peak_memory_bytes": self.peak_bytes, "breakdown_bytes": self.breakdown,
+                  "parameter_count": self.parameter_count,
+                  "model_state_bytes_per_parameter": model_state_bytes_per_parameter(
+                      self.breakdown, self.parameters_held),
                   "tracked_steps": self.steps_seen}
         if self.device.type == "cuda":
             result["cuda_max_allocated_bytes"] = torch.cuda.max_memory_allocated(self.device)

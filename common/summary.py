@@ -12,6 +12,29 @@ def mib(nbytes):
     return f"{nbytes / 2**20:,.2f} MiB"
 
 
+PER_PARAMETER = "model state B/param"  # tables' column of model_state_bytes_per_parameter
+PER_PARAMETER_NOTE = (
+    f'"{PER_PARAMETER}": the parameters, gradients and optimizer state at the peak, in bytes per '
+    "parameter: float32 weights with Adam hold 16 (4, 4 for the gradient, 8 for Adam's two "
+    "moments), bfloat16 ones 8, and 12 and 6 at a peak that comes before the gradients exist. "
+    "With N processes sharding the model, per parameter of a process's 1/N share (gathered "
+    "weights add to it): divide by N for its bytes per parameter of the whole model.")
+
+
+def model_state_words(per_parameter, parameter_count, world_size):
+    """The model state at the peak per parameter, in words: per parameter of a process's share
+    when `world_size` processes shard the model (steps 07-09), then per parameter of the whole."""
+    words = "model state (parameters, gradients, optimizer state): "
+    if per_parameter is None:
+        return words + "n/a (no parameters)"
+    whole = f"{parameter_count / 1e6:.3g}M parameters"
+    if world_size == 1:
+        return words + f"{per_parameter:.2f} bytes per parameter ({whole})"
+    return words + (f"{per_parameter:.2f} bytes per parameter of a process's 1/{world_size} share "
+                    f"of the {whole} ({per_parameter / world_size:.2f} per parameter of the "
+                    "whole model)")
+
+
 def report(args, script, creation, meter, progress, test_accuracy):
     """Print the summary of a finished run and write results/<script>.json; returns the record.
 
@@ -53,6 +76,8 @@ def report(args, script, creation, meter, progress, test_accuracy):
     if len(rank_peaks) > 1:  # the highest is the one above
         print(f"  per process: {' | '.join(mib(peak) for peak in rank_peaks)}")
     print(f"  at the peak: {breakdown}")
+    print("  " + model_state_words(memory["model_state_bytes_per_parameter"],
+                                   memory["parameter_count"], world_size))
     if "cuda_max_reserved_bytes" in memory:  # another window, another count: say which
         print(f"CUDA allocator, whole run (evaluation included): allocated "
               f"{mib(memory['cuda_max_allocated_bytes'])} | reserved "

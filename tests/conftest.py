@@ -35,6 +35,12 @@ def load_script(name):
     return import_script(script_path(name))
 
 
+def model_state_bytes(breakdown):
+    """A breakdown's parameters, gradients and optimizer state: what the per-parameter figure
+    counts, named here apart from the code that computes it."""
+    return breakdown["parameters"] + breakdown["gradients"] + breakdown["optimizer_state"]
+
+
 class Captured:
     """What a run built: its MemoryMeter sees the model and the optimizer."""
     meter = None
@@ -65,7 +71,13 @@ def small_snippets(monkeypatch):
 
 
 @pytest.fixture(scope="session")
-def quick_records(tmp_path_factory):
-    """One quick run of each single-device step, shared by the tests that only read records."""
+def quick_runs(tmp_path_factory):
+    """One quick run of each single-device step: (its record, its meter), shared by the tests
+    that only read them."""
     results = tmp_path_factory.mktemp("quick")
-    return {name: run_script(name, QUICK, results)[0] for name in ["01", "02", "03", "04", "05", "06"]}
+    return {name: run_script(name, QUICK, results) for name in ["01", "02", "03", "04", "05", "06"]}
+
+
+@pytest.fixture(scope="session")
+def quick_records(quick_runs):
+    return {name: record for name, (record, _) in quick_runs.items()}

@@ -14,12 +14,14 @@ import socket
 import subprocess
 import sys
 import weakref
+from types import SimpleNamespace
 
 import pytest
 import torch
 
+from common.evaluate import evaluate
 from common.presets import get_preset
-from conftest import ROOT, TEXT, load_script, run_script, script_path
+from conftest import ROOT, TEXT, load_script, model_state_bytes, run_script, script_path
 
 # 2 tracked steps and one more; whole batches (no micro-batches), so that the activations
 # checkpointing saves outweigh the few hundred KiB by which the collectives' buffers vary
@@ -105,6 +107,9 @@ def test_two_processes_follow_the_loss_of_one_with_the_same_global_batch(probed_
     torch.testing.assert_close(torch.tensor(sharded["losses"]), torch.tensor(single["losses"]),
                                **LOSS_TOLERANCE)
     assert len(set(single["losses"])) == 3  # the loss moves, so following it means something
+    # each process evaluates half of the test set: the counts of both make the accuracy of one
+    assert sharded["test_samples"] == single["test_samples"] == 360
+    assert sharded["test_accuracy"] == single["test_accuracy"]
 
 
 @pytest.mark.timeout(PROBED_TEST_TIMEOUT)
@@ -151,6 +156,56 @@ def test_the_record_carries_every_process_peak_and_the_highest(probed_runs):
     assert record["peak_memory_bytes"] == max(peaks)
     assert sum(record["breakdown_bytes"].values()) == record["peak_memory_bytes"]
     assert record["breakdown_bytes"]["optimizer_state"] == 0  # plain SGD keeps none
+
+
+@pytest.mark.timeout(PROBED_TEST_TIMEOUT)
+def test_model_state_per_parameter_counts_a_process_share_of_the_whole_model(probed_runs,
+                                                                             unsharded):
+    record = probed_runs("07").record
+    assert record["parameter_count"] == unsharded["parameter_count"]  # whole, not one shard
+    model_state = model_state_bytes(record["breakdown_bytes"])  # the highest peak's process's
+    assert record["model_state_bytes_per_parameter"] == model_state / (
+        record["parameter_count"] / WORLD_SIZE)
+
+
+class GivenLogits(torch.nn.Module):
+    """A classifier of 3 classes whose logits come with its inputs."""
+    config = SimpleNamespace(num_labels=3)
+
+    def forward(self, logits):
+        return SimpleNamespace(logits=logits)
+
+
+def batches_of(predictions, labels):
+    """One evaluation batch (inputs, labels): logits that predict `predictions`."""
+    logits = torch.nn.functional.one_hot(torch.tensor(predictions), 3).float()
+    return [({"logits": logits}, torch.tensor(labels))]
+
+
+# process 0 gets 3 samples, all right; process 1 gets 5, one right: 4 of 8 (a mean of the two
+# processes' accuracies would give 60%)
+UNEVEN_SHARES = [batches_of([0, 1, 2], [0, 1, 2]), batches_of([0, 2, 0, 0, 0], [0, 1, 2, 1, 1])]
+
+
+def evaluate_in_group(rank, init_file, out_dir):
+    """Process `rank` of 2 evaluates its share of UNEVEN_SHARES; writes what it got."""
+    torch.distributed.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                                         world_size=2)
+    try:
+        accuracy = evaluate(GivenLogits(), UNEVEN_SHARES[rank], torch.device("cpu"))
+    finally:
+        torch.distributed.destroy_process_group()
+    (out_dir / f"rank{rank}.json").write_text(json.dumps([accuracy, accuracy.samples]))
+
+
+@pytest.mark.timeout(120)
+def test_accuracy_counts_every_sample_of_processes_that_saw_different_numbers(tmp_path):
+    alone = evaluate(GivenLogits(), [pair for share in UNEVEN_SHARES for pair in share],
+                     torch.device("cpu"))
+    assert (alone, alone.samples) == (0.5, 8)
+    torch.multiprocessing.spawn(evaluate_in_group, args=(tmp_path / "init", tmp_path), nprocs=2)
+    for rank in range(2):
+        assert json.loads((tmp_path / f"rank{rank}.json").read_text()) == [0.5, 8]
 
 
 @pytest.mark.timeout(300)

@@ -11,7 +11,8 @@ import torch
 from common import hub
 from common.model import create_model
 from common.presets import get_preset
-from conftest import QUICK, ROOT, load_script, requires_cuda, run_script, script_path
+from conftest import (QUICK, ROOT, load_script, model_state_bytes, requires_cuda, run_script,
+                      script_path)
 
 SINGLE_DEVICE_STEPS = ["01", "02", "03", "04", "05", "06"]
 RECORD_FIELDS = {"script", "preset", "device", "world_size", "batch_size", "accum_steps",
@@ -28,6 +29,38 @@ def test_every_step_runs_and_writes_its_record(name, quick_records, tmp_path):
     assert record["test_samples"] == 360  # the digits' test split, for the accuracy's interval
     assert record["peak_memory_bytes"] > 0
     assert sum(record["breakdown_bytes"].values()) == record["peak_memory_bytes"]
+
+
+def test_the_record_gives_the_model_state_at_the_peak_per_parameter(quick_records):
+    model = create_model(get_preset("tiny"))
+    parameters = sum(parameter.numel() for parameter in model.parameters())
+    for name, record in quick_records.items():
+        model_state = model_state_bytes(record["breakdown_bytes"])
+        assert record["parameter_count"] == parameters, name
+        assert record["model_state_bytes_per_parameter"] == model_state / parameters, name
+
+
+def bytes_per_parameter(tensors, parameters):
+    return sum(tensor.numel() * tensor.element_size() for tensor in tensors) / parameters
+
+
+@pytest.mark.parametrize("name, gradients_at_the_peak", [
+    ("01", False), ("03", False),  # the peak comes before the step's gradients exist
+    ("04", True),  # micro-batches add their gradients up: they exist at the peak
+])
+def test_model_state_per_parameter_is_weights_adam_state_and_gradients(name, gradients_at_the_peak,
+                                                                        quick_runs):
+    """float32 Adam holds 16 bytes per parameter with its gradients (4 + 4 + 8), bfloat16 Adam
+    8; the sizes come from the run's own model and optimizer."""
+    record, meter = quick_runs[name]
+    parameters = record["parameter_count"]
+    weights = bytes_per_parameter(meter.model.parameters(), parameters)  # 4 float32, 2 bfloat16
+    adam = bytes_per_parameter([value for state in meter.optimizer.state.values()  # two moments
+                                for value in state.values() if torch.is_tensor(value)], parameters)
+    gradients = weights  # a gradient has its parameter's shape and dtype
+    expected = weights + adam + (gradients if gradients_at_the_peak else 0)
+    assert record["model_state_bytes_per_parameter"] == pytest.approx(expected, rel=0.001)
+    assert 2 * weights < adam < 2.01 * weights  # Adam: two moments (and a step count per tensor)
 
 
 def test_written_record_matches_returned_one(tmp_path):

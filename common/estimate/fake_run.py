@@ -190,7 +190,9 @@ def stand_ins(run, world_size):
 
         def result(self):
             run.meter_result = {"peak_memory_bytes": self.peak_bytes,
-                                "breakdown_bytes": dict(self.breakdown)}
+                                "breakdown_bytes": dict(self.breakdown),
+                                "parameter_count": self.parameter_count,
+                                "parameters_held": self.parameters_held}
             return run.meter_result
 
     @contextmanager

@@ -14,6 +14,8 @@ from common.estimate.allocation_trace import replay
 from common.estimate.fake_run import EstimateError, run_on_fake_tensors, world_size_from_environment
 from common.estimate.gpu_choices import HOST_CATEGORIES_WHEN_OFFLOADED
 from common.estimate.published import published_reserved_gb
+from common.memory import model_state_bytes_per_parameter
+from common.summary import model_state_words
 
 ESTIMATE_FILE = "estimate.json"
 GB = 10**9  # the study's unit
@@ -52,6 +54,9 @@ def predict(script_path, argv, world_size=1):
             "world_size": run.record["world_size"], "batch_size": run.record["batch_size"],
             "accum_steps": run.record["accum_steps"], "allocated_bytes": allocated,
             "reserved_bytes": reserved, "breakdown_bytes": breakdown, "host_bytes": host_bytes,
+            "parameter_count": run.meter_result["parameter_count"],
+            "model_state_bytes_per_parameter": model_state_bytes_per_parameter(
+                breakdown, run.meter_result["parameters_held"]),  # the device's bytes, as above
             "init_allocated_bytes": init_allocated, "init_reserved_bytes": init_reserved}
 
 
@@ -112,6 +117,8 @@ def summary(record):
              + ("   (as torch.cuda.max_memory_reserved)" if gpu else "   (the CPU caches nothing)"),
              "  at the peak: " + " | ".join(f"{name.replace('_', ' ')} {in_units(value)}"
                                             for name, value in record["breakdown_bytes"].items())]
+    lines.append("  " + model_state_words(record["model_state_bytes_per_parameter"],
+                                          record["parameter_count"], record["world_size"]))
     if record["host_bytes"]:
         lines.append(f"  offloaded to host memory: {in_units(record['host_bytes'])}")
     lines.append(f"peak memory of creation {in_units(record['init_allocated_bytes'])}"

@@ -14,6 +14,7 @@ from common.cli import positive_int
 from common.estimate.predict import GB, Row, attempt, in_units, published_gb, save_records, setting
 from common.estimate.published import STUDY_RESERVED_GB
 from common.presets import PRESETS, get_preset
+from common.summary import PER_PARAMETER, PER_PARAMETER_NOTE
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS_PLANNED = 9  # the repository's steps are 01 to 09
@@ -108,19 +109,23 @@ def report_progress(done, row, outcome, total):
 
 def table(rows, outcomes):
     """The Markdown table of all predictions, with the study's figure where there is one."""
-    lines = ["| script | setting | allocated | reserved | study (reserved) | ratio | creation |",
-             "|---|---|---:|---:|---:|---:|---:|"]
+    lines = ["| script | setting | allocated | reserved | study (reserved) | ratio | creation "
+             f"| {PER_PARAMETER} | activations |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     for row, (record, problem, _) in zip(rows, outcomes):
         if record is None:
             flags = " ".join(row.argv) + (f", {row.world_size} processes" if row.world_size > 1 else "")
-            lines.append(f"| {row.script.stem} | {flags} | failed (see the note) | | | | |")
+            lines.append(f"| {row.script.stem} | {flags} | failed (see the note) | | | | | | |")
             continue
         published = published_gb(record)
         ratio = f"{record['reserved_bytes'] / GB / published:.2f}" if published else ""
+        per_parameter = record["model_state_bytes_per_parameter"]
         lines.append(f"| {record['script']} | {setting(record)} | "
                      f"{in_units(record['allocated_bytes'])} | {in_units(record['reserved_bytes'])} | "
                      f"{f'{published:.2f} GB' if published else ''} | {ratio} | "
-                     f"{in_units(record['init_allocated_bytes'])} |")
+                     f"{in_units(record['init_allocated_bytes'])} | "
+                     f"{'n/a' if per_parameter is None else f'{per_parameter:.2f}'} | "
+                     f"{in_units(record['breakdown_bytes']['activations'])} |")
     return "\n".join(lines)
 
 
@@ -163,6 +168,7 @@ def main(argv=None):
     outcomes = run_rows(rows, args.jobs)
     records = [record for record, _, _ in outcomes if record]
     print("\n" + table(rows, outcomes))
+    print(f"\n{PER_PARAMETER_NOTE} On a GPU: its own bytes, without what 08-09 offload.\n")
     for row, (_, problem, _) in zip(rows, outcomes):
         if problem:
             notes.append(f"{row.label}: {problem}")

@@ -78,6 +78,7 @@ class StepRow:
     train_seconds: float | None = None
     test_accuracy: float | None = None
     test_samples: int | None = None  # how many test samples the accuracy was measured on
+    model_state_bytes_per_parameter: float | None = None  # see common.memory
 
     def processes(self):
         """"2 processes, cpu" for a step run in several processes (and on which device), else ""."""
@@ -128,6 +129,7 @@ def step_row(script, record, outcome=None):
         train_seconds=finite(record.get("train_seconds")),
         test_accuracy=finite(record.get("test_accuracy")),
         test_samples=test_samples if test_samples and test_samples > 0 else None,
+        model_state_bytes_per_parameter=finite(record.get("model_state_bytes_per_parameter")),
     )
 
 
@@ -172,6 +174,7 @@ class EstimateRow:
     published_gb: float | None  # the study's max_memory_reserved for this exact setting
     breakdown_bytes: dict = field(default_factory=lambda: dict.fromkeys(BREAKDOWN_KEYS))
     init_allocated_bytes: float | None = None  # model creation's peak on the GPU, per process
+    model_state_bytes_per_parameter: float | None = None  # on the GPU, at the peak
 
     def setting(self, separator=", "):
         """The run this prediction is for, in words: "batch 16, 4 micro-batches, 4 GPUs"."""
@@ -196,7 +199,9 @@ def estimate_row(record):
                        allocated_bytes=finite(record.get("allocated_bytes")),
                        reserved_bytes=finite(record.get("reserved_bytes")), published_gb=published,
                        breakdown_bytes=breakdown_of(record),
-                       init_allocated_bytes=finite(record.get("init_allocated_bytes")))
+                       init_allocated_bytes=finite(record.get("init_allocated_bytes")),
+                       model_state_bytes_per_parameter=finite(
+                           record.get("model_state_bytes_per_parameter")))
 
 
 def load_estimate_rows(results_dir):

@@ -12,7 +12,8 @@ from pathlib import Path
 
 from common.atomic_write import write_text_atomically
 from common.estimate.published import STUDY_RESERVED_GB
-from common.memory import BREAKDOWN_KEYS
+from common.memory import BREAKDOWN_KEYS, MODEL_STATE_KEYS
+from common.summary import PER_PARAMETER, PER_PARAMETER_NOTE
 from common.tour.charts import estimate_figure, save_png, tour_figure
 from common.tour.records import (ESTIMATE_FILE, GB, MIB, in_units, load_estimate_rows,
                                   load_step_rows, read_tour, shown)
@@ -80,21 +81,25 @@ def tour_table(rows):
     """A line per step: peak memory, ratio to 01, breakdown (all MiB), time, accuracy with its
     95% interval, status."""
     baseline = baseline_peak(rows)
-    header = ["step", "peak MiB", "vs 01", *(key.replace("_", " ") for key in BREAKDOWN_KEYS),
+    state = len(MODEL_STATE_KEYS)  # the breakdown's first columns; bytes per parameter after them
+    categories = [key.replace("_", " ") for key in BREAKDOWN_KEYS]
+    header = ["step", "peak MiB", "vs 01", *categories[:state], PER_PARAMETER, *categories[state:],
               "training time", "test accuracy", "95% interval", "status"]
     lines = []
     for row in rows:
         ratio = row.peak_bytes / baseline if baseline and row.peak_bytes is not None else None
+        mebibytes = [shown(in_units(row.breakdown_bytes[key], MIB), ",.2f")
+                     for key in BREAKDOWN_KEYS]
         lines.append([step_name(row),
                       shown(in_units(row.peak_bytes, MIB), ",.2f"),
                       shown(ratio, ".2f", "x"),
-                      *(shown(in_units(row.breakdown_bytes[key], MIB), ",.2f")
-                        for key in BREAKDOWN_KEYS),
+                      *mebibytes[:state], shown(row.model_state_bytes_per_parameter, ".2f"),
+                      *mebibytes[state:],
                       shown(row.train_seconds, ".1f", " s"),
                       shown(in_units(row.test_accuracy, 0.01), ".1f", "%"),
                       interval_cell(row),
                       status(row)])
-    return markdown_table(header, lines, "lrrrrrrrrrrl")
+    return markdown_table(header, lines, "lrrrrrrrrrrrl")
 
 
 def error_details(title, error_lines):
@@ -123,7 +128,8 @@ def tour_markdown(rows, tour=None):
              f"Preset {', '.join(presets) or 'n/a'}, device {', '.join(devices) or 'n/a'}. "
              "Peak memory: the tensors alive at the peak of the first two optimizer steps "
              "(the largest over processes), MiB = 2^20 bytes; \"vs 01\" divides it by "
-             "01_baseline's. Training time leaves out those two measured steps.\n"]
+             "01_baseline's. Training time leaves out those two measured steps. "
+             + PER_PARAMETER_NOTE + "\n"]
     flags = tour.get("passed_flags") or []
     shortened = [f"{flag} {value}" for flag, value in zip(flags[::2], flags[1::2])
                  if flag in ("--max-steps", "--epochs")]  # not --preset or --device
@@ -148,7 +154,7 @@ def tour_markdown(rows, tour=None):
 
 def estimate_table(estimates):
     header = ["script", "setting", "allocated GB", "reserved GB", "study GB", "reserved / study",
-              "creation GB"]
+              "creation GB", PER_PARAMETER, "activations GB"]
     lines = []
     for estimate in estimates:
         allocated = in_units(estimate.allocated_bytes, GB)
@@ -157,8 +163,11 @@ def estimate_table(estimates):
         ratio = reserved / published if reserved is not None and published else None
         lines.append([estimate.script, estimate.setting(), shown(allocated, ".2f"),
                       shown(reserved, ".2f"), shown(estimate.published_gb, ".2f"),
-                      shown(ratio, ".2f"), shown(in_units(estimate.init_allocated_bytes, GB), ".2f")])
-    return markdown_table(header, lines, "llrrrrr")
+                      shown(ratio, ".2f"),
+                      shown(in_units(estimate.init_allocated_bytes, GB), ".2f"),
+                      shown(estimate.model_state_bytes_per_parameter, ".2f"),
+                      shown(in_units(estimate.breakdown_bytes["activations"], GB), ".2f")])
+    return markdown_table(header, lines, "llrrrrrrr")
 
 
 def unmatched_published(estimates):
@@ -177,7 +186,9 @@ def estimate_markdown(estimates):
              "the same script and setting (one A100, PyTorch 2.1 nightly). \"creation\" is the "
              "GPU memory allocated while the model is built, per process (05 builds it in "
              "float32 in host memory, so its GPU figure equals 06's; 07-09 build it on the meta "
-             "device and allocate only their shards, offloaded ones in host memory).\n",
+             "device and allocate only their shards, offloaded ones in host memory). "
+             + PER_PARAMETER_NOTE + " Here the GPU's bytes: what 08-09 offload is not counted; "
+             "\"activations GB\" is the activations' part of the allocated peak.\n",
              estimate_table(estimates)]
     missing = unmatched_published(estimates)
     if missing:

@@ -18,7 +18,7 @@ from common.estimate.predict import Row, estimate, predict
 from common.estimate.table import main as estimate_table, run_rows, select_scripts
 from common.model import model_class, model_config
 from common.presets import get_preset
-from conftest import QUICK, ROOT, TEXT, run_script, script_path
+from conftest import QUICK, ROOT, TEXT, model_state_bytes, run_script, script_path
 
 NO_EMULATION = ["--device", "cpu"]
 
@@ -36,6 +36,9 @@ def test_tiny_estimate_equals_the_peak_the_real_run_measures(name, quick_records
     predicted = predict(script_path(name), NO_EMULATION)
     assert predicted["allocated_bytes"] == pytest.approx(real["peak_memory_bytes"], rel=0.01)
     assert predicted["breakdown_bytes"] == pytest.approx(real["breakdown_bytes"], rel=0.01, abs=4096)
+    assert predicted["parameter_count"] == real["parameter_count"]
+    assert predicted["model_state_bytes_per_parameter"] == pytest.approx(
+        real["model_state_bytes_per_parameter"], rel=0.01)
 
 
 @pytest.mark.parametrize("name", ["01", "04", "07"])
@@ -95,6 +98,14 @@ def test_four_processes_each_hold_about_a_quarter_of_the_parameters():
     whole, quarter = sharded_parameter_bytes(1), sharded_parameter_bytes(4)
     assert whole == 2 * parameter_count("tiny")  # bfloat16
     assert quarter / whole == pytest.approx(0.25, rel=0.02)  # shards are padded to equal rows
+
+
+def test_a_sharded_estimate_gives_the_model_state_per_parameter_a_process_holds():
+    record = predict(script_path("07"), [], world_size=4)  # a GPU: the bytes a GPU holds
+    whole = parameter_count("tiny")
+    assert record["parameter_count"] == whole  # the sharded parameters, counted whole
+    assert record["model_state_bytes_per_parameter"] == (
+        model_state_bytes(record["breakdown_bytes"]) / (whole / 4))
 
 
 def test_offload_moves_the_sharded_state_to_host_memory():
@@ -179,6 +190,7 @@ def test_the_table_covers_each_script_and_its_world_size(tmp_path, capsys):
     assert status == 0
     table = capsys.readouterr().out
     assert "| 02_mixed_precision |" in table and "2 GPUs" in table and "wall time" in table
+    assert "| model state B/param | activations |" in table
     records = {record["script"]: record for record in
                json.loads((tmp_path / "estimate.json").read_text())}
     assert records["02_mixed_precision"]["world_size"] == 1

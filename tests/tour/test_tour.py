@@ -84,26 +84,41 @@ def test_report_table_rows_ratios_and_failures(recorded):
     assert table in text  # what is printed is what is written
     rows = table_rows(table)
     assert list(rows) == ["01_baseline", "02_mixed_precision", "03_bf16", "07_fsdp (2 processes, cpu)"]
-    # columns: peak, vs 01, parameters, gradients, optimizer state, activations, temporaries,
-    # training time, test accuracy, 95% interval, status
+    # columns: peak, vs 01, parameters, gradients, optimizer state, model state B/param,
+    # activations, temporaries, training time, test accuracy, 95% interval, status
     assert rows["01_baseline"][:2] == ["28.43", "1.00x"] and rows["01_baseline"][-1] == "ok"
     assert rows["02_mixed_precision"][1] == "0.82x"  # 24,395,864 / 29,811,660 bytes
-    assert rows["02_mixed_precision"][6] == "n/a" and rows["02_mixed_precision"][8] == "n/a"
+    assert rows["02_mixed_precision"][7] == "n/a" and rows["02_mixed_precision"][9] == "n/a"
     assert rows["07_fsdp (2 processes, cpu)"][:2] == ["5.00", "0.18x"]
     failed = rows["03_bf16"]
-    assert failed[:-1] == ["n/a"] * 10
+    assert failed[:-1] == ["n/a"] * 11
     assert failed[-1] == "failed: exit status 1: RuntimeError: bfloat16 \\| not supported here"
     assert '  File "03_bf16.py", line 80, in <module>' in table  # the stderr lines, below the table
+
+
+def test_report_tour_table_shows_the_model_state_per_parameter_beside_the_activations(recorded):
+    write_report(recorded)
+    text = (recorded / "tour.md").read_text()
+    rows = table_rows(text)
+    # 01: (3,286,568 + 6,184 + 6,573,424) bytes / 821,642 parameters
+    assert rows["01_baseline"][4:7] == ["6.27", "12.01", "17.44"]
+    # 07: (822,000 + 411,000) bytes / (821,642 / 2) parameters held by a process
+    assert rows["07_fsdp (2 processes, cpu)"][5] == "3.00"
+    assert rows["02_mixed_precision"][5] == "n/a"  # an older record without the field
+    assert "divide by N for its bytes per parameter of the whole model" in text
 
 
 def test_report_estimate_table_marks_the_studys_figures(recorded):
     write_report(recorded)
     rows = table_rows((recorded / "estimate.md").read_text())
-    assert rows["01_baseline"] == ["batch 64", "25.10", "26.50", "26.84", "0.99", "n/a"]  # no creation
+    # setting, allocated, reserved, study, ratio, creation, model state B/param, activations
+    assert rows["01_baseline"] == ["batch 64", "25.10", "26.50", "26.84", "0.99",
+                                   "n/a", "16.00", "19.00"]  # no creation
     assert rows["02_mixed_precision"][2:5] == ["n/a", "18.21", "n/a"]  # no reserved figure recorded
+    assert rows["02_mixed_precision"][6:] == ["n/a", "n/a"]  # nor a breakdown
     assert rows["04_grad_accum"][:1] == ["batch 16, 4 micro-batches"]
-    assert rows["07_fsdp"][-3:-1] == ["n/a", "n/a"]  # the study has no 4-GPU figure for this setting
-    assert rows["07_fsdp"][-1] == "0.16"  # creation, per GPU
+    assert rows["07_fsdp"][3:5] == ["n/a", "n/a"]  # the study has no 4-GPU figure for this setting
+    assert rows["07_fsdp"][5:] == ["0.16", "8.00", "0.70"]  # creation, per GPU
     assert "03_bf16 at batch 64: 13.82 GB" in (recorded / "estimate.md").read_text()
 
 
@@ -121,9 +136,9 @@ def test_report_tour_table_shows_the_accuracy_interval(recorded):
     # 01: 340 of 360 right (94.4%); Wilson with z = 1.96, z^2/n = 0.010671:
     # centre (0.94444 + 0.005336) / 1.010671 = 0.939752, half width
     # 1.96 / 1.010671 * sqrt(0.94444 * 0.05556 / 360 + 0.010671 / 1440) = 0.024001
-    assert rows["01_baseline"][8:10] == ["94.4%", "91.6-96.4%"]
-    assert rows["07_fsdp (2 processes, cpu)"][8:10] == ["92.5%", "n/a"]  # no test_samples recorded
-    assert rows["02_mixed_precision"][8:10] == ["n/a", "n/a"]  # no accuracy recorded
+    assert rows["01_baseline"][9:11] == ["94.4%", "91.6-96.4%"]
+    assert rows["07_fsdp (2 processes, cpu)"][9:11] == ["92.5%", "n/a"]  # no test_samples recorded
+    assert rows["02_mixed_precision"][9:11] == ["n/a", "n/a"]  # no accuracy recorded
     assert "one sample is 0.28 percentage points" in text
     assert "not evidence that the step changed accuracy" in text
 
