@@ -65,9 +65,10 @@ def fold_breakdown(stats):
 
 
 def memory_tracker(model, optimizer):
-    """A MemTracker that knows the model and the optimizer created before it starts."""
+    """A MemTracker that knows the model and the optimizer (or list of optimizers) created
+    before it starts."""
     tracker = MemTracker()
-    tracker.track_external(model, optimizer)
+    tracker.track_external(model, *(optimizer if isinstance(optimizer, list) else [optimizer]))
     return tracker
 
 
@@ -79,6 +80,9 @@ def is_sharded(model):
 
 class MemoryMeter:
     """Wrap each optimizer step in `meter.step()`; read `meter.result()` at the end.
+
+    `optimizer` may be a list of optimizers that each step once per training step (03a: one
+    per parameter, stepped during backward); the first one's steps are counted.
 
     A sharded model (steps 07-09) is tracked by FSDPMemTracker, which tells a process's shards
     from the parameters gathered for a block; any other by MemTracker.
@@ -94,7 +98,8 @@ class MemoryMeter:
                                                        else 1)
         self.tracker = None
         self.steps_seen = self.steps_taken = 0
-        optimizer.register_step_post_hook(self.count_step_taken)  # not called for a skipped step
+        self.first_optimizer = optimizer[0] if isinstance(optimizer, list) else optimizer
+        self.first_optimizer.register_step_post_hook(self.count_step_taken)  # not for a skipped step
         self.tracked_seconds = 0.0
         self.peak_bytes, self.breakdown = 0, dict.fromkeys(BREAKDOWN_KEYS, 0)
         if device.type == "cuda":

@@ -63,7 +63,7 @@ def report(args, script, creation, meter, progress, test_accuracy):
         "seed": args.seed,
         "torch_version": torch.__version__,
         "losses": progress.loss_values(),
-        "final_lr": meter.optimizer.param_groups[0]["lr"],
+        "final_lr": meter.first_optimizer.param_groups[0]["lr"],
     }
     if not is_main_process():
         return record

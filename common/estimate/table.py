@@ -13,6 +13,7 @@ import common.estimate
 from common.cli import positive_int
 from common.estimate.predict import GB, Row, attempt, in_units, published_gb, save_records, setting
 from common.estimate.published import STUDY_RESERVED_GB
+from common.estimate.script_import import with_parent
 from common.presets import PRESETS, get_preset
 from common.summary import PER_PARAMETER, PER_PARAMETER_NOTE
 
@@ -21,7 +22,8 @@ STEPS_PLANNED = 9  # the repository's steps are 01 to 09
 
 
 def numbered_scripts():
-    return sorted(ROOT.glob("[0-9][0-9]_*.py"))
+    """The steps 01-09 and their branches (05a_adamw_8bit.py), in order."""
+    return sorted(ROOT.glob("[0-9][0-9]*_*.py"))
 
 
 def is_distributed(script):
@@ -120,7 +122,7 @@ def table(rows, outcomes):
         published = published_gb(record)
         ratio = f"{record['reserved_bytes'] / GB / published:.2f}" if published else ""
         per_parameter = record["model_state_bytes_per_parameter"]
-        lines.append(f"| {record['script']} | {setting(record)} | "
+        lines.append(f"| {with_parent(record['script'])} | {setting(record)} | "
                      f"{in_units(record['allocated_bytes'])} | {in_units(record['reserved_bytes'])} | "
                      f"{f'{published:.2f} GB' if published else ''} | {ratio} | "
                      f"{in_units(record['init_allocated_bytes'])} | "

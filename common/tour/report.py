@@ -12,6 +12,7 @@ from pathlib import Path
 
 from common.atomic_write import write_text_atomically
 from common.estimate.published import STUDY_RESERVED_GB
+from common.estimate.script_import import with_parent
 from common.memory import BREAKDOWN_KEYS, MODEL_STATE_KEYS
 from common.summary import PER_PARAMETER, PER_PARAMETER_NOTE
 from common.tour.charts import estimate_figure, save_png, tour_figure
@@ -37,7 +38,7 @@ def markdown_table(header, rows, align):
 
 
 def step_name(row):
-    return row.script + (f" ({row.processes()})" if row.processes() else "")
+    return with_parent(row.script) + (f" ({row.processes()})" if row.processes() else "")
 
 
 def baseline_peak(rows):
@@ -161,7 +162,7 @@ def estimate_table(estimates):
         reserved = in_units(estimate.reserved_bytes, GB)
         published = estimate.published_gb
         ratio = reserved / published if reserved is not None and published else None
-        lines.append([estimate.script, estimate.setting(), shown(allocated, ".2f"),
+        lines.append([with_parent(estimate.script), estimate.setting(), shown(allocated, ".2f"),
                       shown(reserved, ".2f"), shown(estimate.published_gb, ".2f"),
                       shown(ratio, ".2f"),
                       shown(in_units(estimate.init_allocated_bytes, GB), ".2f"),

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from common.cli import positive_int
+from common.estimate.script_import import step_id
 from common.presets import PRESETS
 from common.atomic_write import atomic_path, write_json_atomically
 from common.tour.records import ESTIMATE_FILE, TOUR_FILE, read_json
@@ -38,7 +39,7 @@ from common.tour.report import (ESTIMATE_CHART, ESTIMATE_TABLE, REPORT_FILES, TO
                                  TOUR_TABLE, write_report)
 
 ROOT = Path(__file__).resolve().parents[2]
-SCRIPT_PATTERN = "[0-9][0-9]_*.py"
+SCRIPT_PATTERN = "[0-9][0-9]*_*.py"  # the steps 01-09 and their branches (05a_adamw_8bit.py)
 FIRST_DISTRIBUTED_STEP = 7  # 07_fsdp and after shard the model across processes
 CPU_PROCESSES = 2  # without 2 GPUs the sharded steps run as this many CPU processes
 DEFAULT_PRESET = "tiny"
@@ -65,14 +66,15 @@ def find_scripts(scripts_dir):
 
 
 def select_scripts(scripts, wanted, parser):
-    """The scripts named by --steps ("3", "03", "03_bf16" or "03_bf16.py"), in tour order."""
+    """The scripts named by --steps ("3", "03", "03_bf16", "03_bf16.py", or "05a" for a branch;
+    a number also takes its step's branches), in tour order."""
     if not wanted:
         return scripts
     chosen = set()
     for token in wanted:
         matches = [script for script in scripts
                    if (int(script.name[:2]) == int(token) if token.isdigit()
-                       else script.stem == Path(token).stem)]
+                       else Path(token).stem in (script.stem, step_id(script.name)))]
         if not matches:
             parser.error(f"--steps: no script {token!r} here; the steps are: "
                          + " ".join(script.stem for script in scripts))

@@ -1,0 +1,88 @@
+"""The branches' claims: 04a (optimizer in backward) takes 03's step and never holds the whole
+model's gradients; 05a (8-bit AdamW) and 05b (Adafactor) keep the state they promise, and learn."""
+import pytest
+import torch
+
+from common.estimate.script_import import branch_parent, step_id
+from conftest import QUICK, load_script, run_script, script_path
+
+
+def test_a_branch_names_its_parent_and_a_main_line_step_none():
+    assert [branch_parent(name) for name in ("04a_x.py", "05a_x", "05b_x", "05_sgd_cosine")] == \
+        ["03", "04", "04", None]
+    assert step_id(script_path("05a").name) == "05a"
+
+
+def test_the_optimizer_in_backward_takes_03s_step(tmp_path):
+    """One Adam per weight, stepped during backward, updates as one Adam after it (float32)."""
+    runs = {}
+    for name in ("03", "04a"):
+        module = load_script(name)
+        module.DTYPE = torch.float32  # compare in float32: only the order of the work differs
+        record, meter = run_script(name, QUICK, tmp_path / name, module)
+        runs[name] = record["losses"], [param.detach() for param in meter.model.parameters()]
+    assert runs["04a"][0] == pytest.approx(runs["03"][0], rel=1e-6)
+    for ours, theirs in zip(runs["04a"][1], runs["03"][1], strict=True):
+        torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-7)
+
+
+def test_the_optimizer_in_backward_holds_one_parameters_gradient_at_most(tmp_path, monkeypatch):
+    parameters, held = [], []
+    adam_init, adam_step = torch.optim.Adam.__init__, torch.optim.Adam.step
+
+    def init(self, params, *args, **kwargs):
+        params = list(params)
+        parameters.extend(params)
+        adam_init(self, params, *args, **kwargs)
+
+    def step(self, *args, **kwargs):  # each weight's step: what gradients exist right then
+        held.append(sum(param.grad.nbytes for param in parameters if param.grad is not None))
+        return adam_step(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.optim.Adam, "__init__", init)
+    monkeypatch.setattr(torch.optim.Adam, "step", step)
+    run_script("04a", QUICK, tmp_path)
+    largest = max(param.nbytes for param in parameters)
+    assert len(held) == 2 * len(parameters)  # two optimizer steps of every weight
+    assert max(held) <= largest < sum(param.nbytes for param in parameters) / 4
+
+
+def test_accumulation_is_refused_by_the_optimizer_in_backward():
+    with pytest.raises(SystemExit, match="cannot accumulate gradients.*use 04_grad_accum.py"):
+        load_script("04a").main(["--accum-steps", "4"])
+
+
+def optimizer_state_bytes(optimizer):
+    """{parameter: bytes of its optimizer state}, the step counters left out."""
+    return {param: sum(value.nbytes for name, value in state.items()
+                       if torch.is_tensor(value) and name != "step")
+            for param, state in optimizer.state.items()}
+
+
+def test_8bit_adamw_keeps_two_bytes_per_weight_in_large_tensors(tmp_path):
+    _, meter = run_script("05a", QUICK, tmp_path)
+    sizes = optimizer_state_bytes(meter.optimizer)
+    large = [param for param in sizes if param.numel() >= 4096]  # bitsandbytes' min_8bit_size
+    assert large
+    for param in large:  # two uint8 states, and a float32 scale per block of 256 for each
+        assert sizes[param] == 2 * param.numel() + 2 * 4 * -(-param.numel() // 256) + 2 * 256 * 4
+    assert sum(sizes[param] for param in large) / sum(param.numel() for param in large) < 2.1
+
+
+def test_adafactor_keeps_rows_plus_columns_for_a_matrix(tmp_path):
+    _, meter = run_script("05b", QUICK, tmp_path)
+    for param, state in meter.optimizer.state.items():
+        kept = sum(value.numel() for name, value in state.items() if name != "step")
+        if param.dim() >= 2:  # the last two dimensions are factored, for each leading index
+            rows, columns = param.shape[-2:]
+            expected = (rows + columns) * param[..., 0, 0].numel()
+        else:
+            expected = param.numel()
+        assert kept == expected, (tuple(param.shape), {n: v.shape for n, v in state.items()})
+
+
+@pytest.mark.parametrize("name", ["05a", "05b"])
+def test_a_few_steps_of_the_leaner_optimizers_lower_the_loss(name, tmp_path):
+    record, _ = run_script(name, ["--epochs", "1", "--max-steps", "12"], tmp_path)
+    losses = record["losses"]
+    assert sum(losses[-4:]) / 4 < sum(losses[:4]) / 4 - 0.1, losses
