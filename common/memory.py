@@ -81,7 +81,7 @@ def is_sharded(model):
 class MemoryMeter:
     """Wrap each optimizer step in `meter.step()`; read `meter.result()` at the end.
 
-    `optimizer` may be a list of optimizers that each step once per training step (03a: one
+    `optimizer` may be a list of optimizers that each step once per training step (04a: one
     per parameter, stepped during backward); the first one's steps are counted.
 
     A sharded model (steps 07-09) is tracked by FSDPMemTracker, which tells a process's shards

@@ -117,7 +117,7 @@ def table(rows, outcomes):
     for row, (record, problem, _) in zip(rows, outcomes):
         if record is None:
             flags = " ".join(row.argv) + (f", {row.world_size} processes" if row.world_size > 1 else "")
-            lines.append(f"| {row.script.stem} | {flags} | failed (see the note) | | | | | | |")
+            lines.append(f"| {with_parent(row.script.name)} | {flags} | failed (see the note) | | | | | | |")
             continue
         published = published_gb(record)
         ratio = f"{record['reserved_bytes'] / GB / published:.2f}" if published else ""
