@@ -21,6 +21,8 @@ from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 from torch.distributed._tools.mem_tracker import MemTracker
 from torch.distributed.fsdp import FSDPModule
 
+from common.compiled_memory import AllocationTracker, compile_seconds, is_compiled
+
 TRACKED_STEPS = 2  # optimizer steps taken under the tracker
 MAX_TRACKED_STEPS = 10  # steps tracked at most, while a gradient scaler skips optimizer steps
 
@@ -81,12 +83,15 @@ class MemoryMeter:
     """Wrap each optimizer step in `meter.step()`; read `meter.result()` at the end.
 
     A sharded model (steps 07-09) is tracked by FSDPMemTracker, which tells a process's shards
-    from the parameters gathered for a block; any other by MemTracker.
+    from the parameters gathered for a block; any other by MemTracker; a compiled one (--compile),
+    which neither can watch, from the allocator's own events (common/compiled_memory.py).
     """
 
     def __init__(self, device, model, optimizer):
         self.device, self.model, self.optimizer = device, model, optimizer
-        self.tracker_factory = FSDPMemTracker if is_sharded(model) else memory_tracker
+        self.from_allocations = is_compiled(model)  # neither tracker can watch compiled code
+        self.tracker_factory = (AllocationTracker if self.from_allocations else
+                                FSDPMemTracker if is_sharded(model) else memory_tracker)
         # the model's parameters, whole (a sharded one is a DTensor, whose shape is the whole's),
         # and the share of them this process holds: 1/N of each when N processes shard them
         self.parameter_count = sum(parameter.numel() for parameter in model.parameters())
@@ -130,18 +135,21 @@ class MemoryMeter:
         self.steps_seen += 1
         if self.tracker is None:
             self.tracker = self.tracker_factory(self.model, self.optimizer)
-        # registered before the tracker's own global hooks, so it runs first
-        hook = torch.nn.modules.module.register_module_forward_pre_hook(
-            self.forget_previous_forward)
+        # registered before the tracker's own global hooks, so it runs first (not on compiled
+        # code: a global hook that comes and goes would make torch.compile compile again)
+        register = torch.nn.modules.module.register_module_forward_pre_hook
+        hook = None if self.from_allocations else register(self.forget_previous_forward)
         self.synchronize()  # the time left out is this step's, also on a GPU
-        start = time.perf_counter()
+        start, compiling = time.perf_counter(), compile_seconds()
         try:
             with self.tracker, removing_input_hooks():  # a new peak on entering: keep the highest
                 yield
         finally:
-            hook.remove()
+            if hook is not None:
+                hook.remove()
             self.synchronize()
-            self.tracked_seconds += time.perf_counter() - start
+            # compilation (the first step's, under --compile) stays in the training time
+            self.tracked_seconds += time.perf_counter() - start - (compile_seconds() - compiling)
         stats = device_snapshot(self.tracker.get_tracker_snapshot("peak"), self.device)
         if stats.get("Total", 0) > self.peak_bytes:
             self.peak_bytes, self.breakdown = stats["Total"], fold_breakdown(stats)
@@ -153,7 +161,10 @@ class MemoryMeter:
                   "parameter_count": self.parameter_count,
                   "model_state_bytes_per_parameter": model_state_bytes_per_parameter(
                       self.breakdown, self.parameters_held),
-                  "tracked_steps": self.steps_seen}
+                  "tracked_steps": self.steps_seen,
+                  # how the peak was counted: a compiled model's steps escape MemTracker
+                  "memory_counted_by": ("allocator events (torch.profiler)"
+                                        if self.from_allocations else "MemTracker")}
         if self.device.type == "cuda":
             result["cuda_max_allocated_bytes"] = torch.cuda.max_memory_allocated(self.device)
             result["cuda_max_reserved_bytes"] = torch.cuda.max_memory_reserved(self.device)
