@@ -150,6 +150,8 @@ class AllocationTracker:
             fields = event.typed[1]
             device, key = fields.device, (fields.device, fields.ptr)
             if fields.alloc_size > 0:
+                if key in live:  # its free went unheard (seen once in ~800 events, sharded):
+                    totals[device] -= live.pop(key)[0]  # the allocator reuses only freed blocks
                 live[key] = (fields.alloc_size, category_of(event), index)
                 totals[device] = totals.get(device, 0) + fields.alloc_size
                 if totals[device] > peaks.get(device, (0, None))[0]:
