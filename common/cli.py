@@ -82,6 +82,10 @@ def parse_args(description, argv=None, accum_steps=None):
                      "predict GPU memory without a GPU")
     args.device = torch.device(args.device)
     if args.compile and not args.estimate:  # the estimate runs the model uncompiled
+        if importlib.util.find_spec("common.compiled_memory") is None:
+            parser.error("--compile needs common/compiled_memory.py (how a compiled model's memory "
+                         "is counted), which this copy of the script lacks: copy it beside "
+                         "common/memory.py")
         problem = compiler_problem(args.device)
         if problem:
             parser.error(f"--compile: {problem}; or run without --compile")

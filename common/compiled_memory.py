@@ -35,27 +35,12 @@ from torch._C._profiler import _EventType
 from torch.distributed._tools.common_utils import get_untyped_storages
 from torch.profiler import ProfilerActivity, _utils, profile
 
-from common.progress import is_main_process
-
 # the profiler's record_function names whose allocations go to a category (the nearest wins),
 # as MemTracker's and FSDPMemTracker's names, which memory.py folds into the five it reports
 MADE_IN = [("FSDP::all_gather_copy_out", "Unsharded Param"), ("FSDP::all_gather", "All Gather"),
            ("FSDP::post_backward_reduce", "Reduce Scatter"), ("Optimizer.step#", "Optstate"),
            ("autograd::engine::evaluate_function", "Temp")]
 MADE_ELSEWHERE = "Activation"
-
-
-def is_compiled(model):
-    """True when torch.compile was applied to the model or to any of its modules (07-09
-    compile each transformer block)."""
-    return any(isinstance(module, torch._dynamo.eval_frame.OptimizedModule)
-               or getattr(module, "_compiled_call_impl", None) is not None
-               for module in model.modules())
-
-
-def compile_seconds():
-    """Seconds torch.compile has spent compiling in this process so far."""
-    return torch._dynamo.utils.calculate_time_spent().get("total_wall_time", 0.0)
 
 
 def storages(tensors):
@@ -86,9 +71,6 @@ class AllocationTracker:
 
     def __init__(self, model, optimizer):
         self.model, self.optimizer = model, optimizer
-        if is_main_process():
-            print("memory: counted from the allocator's events, not by MemTracker, which cannot "
-                  "watch compiled code (common/compiled_memory.py)", flush=True)
         self.peak = {}  # device: {"Total": bytes, category: bytes}
         self.gradients = set()  # (device, pointer) of the gradients the optimizer step found
 

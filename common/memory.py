@@ -21,8 +21,6 @@ from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 from torch.distributed._tools.mem_tracker import MemTracker
 from torch.distributed.fsdp import FSDPModule
 
-from common.compiled_memory import AllocationTracker, compile_seconds, is_compiled
-
 TRACKED_STEPS = 2  # optimizer steps taken under the tracker
 MAX_TRACKED_STEPS = 10  # steps tracked at most, while a gradient scaler skips optimizer steps
 
@@ -73,6 +71,19 @@ def memory_tracker(model, optimizer):
     return tracker
 
 
+def is_compiled(model):
+    """True when torch.compile was applied to the model or to any of its modules (steps 07-09
+    compile each transformer block)."""
+    return any(isinstance(module, torch._dynamo.eval_frame.OptimizedModule)
+               or getattr(module, "_compiled_call_impl", None) is not None
+               for module in model.modules())
+
+
+def compile_seconds():
+    """Seconds torch.compile has spent compiling in this process so far."""
+    return torch._dynamo.utils.calculate_time_spent().get("total_wall_time", 0.0)
+
+
 def is_sharded(model):
     """True when FSDP2's fully_shard has been applied to the model itself (FSDPMemTracker
     needs the root sharded; steps 07-09 shard the blocks and then the root)."""
@@ -90,8 +101,11 @@ class MemoryMeter:
     def __init__(self, device, model, optimizer):
         self.device, self.model, self.optimizer = device, model, optimizer
         self.from_allocations = is_compiled(model)  # neither tracker can watch compiled code
-        self.tracker_factory = (AllocationTracker if self.from_allocations else
-                                FSDPMemTracker if is_sharded(model) else memory_tracker)
+        if self.from_allocations:
+            from common.compiled_memory import AllocationTracker  # needed only under --compile
+            self.tracker_factory = AllocationTracker
+        else:
+            self.tracker_factory = FSDPMemTracker if is_sharded(model) else memory_tracker
         # the model's parameters, whole (a sharded one is a DTensor, whose shape is the whole's),
         # and the share of them this process holds: 1/N of each when N processes shard them
         self.parameter_count = sum(parameter.numel() for parameter in model.parameters())
