@@ -73,6 +73,7 @@ class AllocationTracker:
         self.model, self.optimizer = model, optimizer
         self.peak = {}  # device: {"Total": bytes, category: bytes}
         self.gradients = set()  # (device, pointer) of the gradients the optimizer step found
+        self.optimizer_steps = []  # (start, end) in ns of the optimizer steps of the last step
 
     def state_at_start(self):
         """{(device, pointer): (bytes, category)} of the model's and optimizer's tensors."""
@@ -110,6 +111,10 @@ class AllocationTracker:
         del self.profiler
         steps = [event.start_time_ns for event in events
                  if event.name.startswith("Optimizer.step#")]
+        # under another dispatch mode (MemTracker, beside this count) some of the optimizer
+        # step's allocations come without it as a parent in the event tree: its time tells
+        self.optimizer_steps = [(event.start_time_ns, event.end_time_ns) for event in events
+                                if event.name.startswith("Optimizer.step#")]
         allocations = sorted((event for event in events if event.typed[0] == _EventType.Allocation),
                              key=lambda event: event.start_time_ns)
         self.count(allocations, min(steps, default=None))
@@ -134,7 +139,11 @@ class AllocationTracker:
             if fields.alloc_size > 0:
                 if key in live:  # its free went unheard (seen once in ~800 events, sharded):
                     totals[device] -= live.pop(key)[0]  # the allocator reuses only freed blocks
-                live[key] = (fields.alloc_size, category_of(event), index)
+                category = category_of(event)
+                if category == MADE_ELSEWHERE and any(
+                        start <= event.start_time_ns <= end for start, end in self.optimizer_steps):
+                    category = "Optstate"
+                live[key] = (fields.alloc_size, category, index)
                 totals[device] = totals.get(device, 0) + fields.alloc_size
                 if totals[device] > peaks.get(device, (0, None))[0]:
                     peaks[device] = (totals[device], dict(live))
