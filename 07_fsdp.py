@@ -75,6 +75,8 @@ def train(args, device):
         # FSDP: shard each block (it gathers its weights in turn), then the rest as one more unit
         shard_options = dict(mesh=init_device_mesh(device.type, (world_size,)))  # all processes
         for block in transformer_blocks(model):
+            if args.compile:  # FSDP: compile each block before sharding it (torchtitan's order):
+                block.compile()  # FSDP's gathers stay outside compiled code; alike blocks share it
             fully_shard(block, **shard_options)
         fully_shard(model, **shard_options)  # embeddings, final norm and head
         fill_shards(model, preset, device)  # FSDP: each process allocates and fills its shards

@@ -75,6 +75,8 @@ def train(args, device):
         # offload: shards live in CPU memory between uses (pinned when training on CUDA)
         shard_options["offload_policy"] = CPUOffloadPolicy(pin_memory=device.type == "cuda")
         for block in transformer_blocks(model):
+            if args.compile:  # FSDP: compile each block before sharding it (torchtitan's order):
+                block.compile()  # FSDP's gathers stay outside compiled code; alike blocks share it
             fully_shard(block, **shard_options)
         fully_shard(model, **shard_options)  # embeddings, final norm and head
         fill_shards(model, preset, device)  # FSDP: each process allocates and fills its shards

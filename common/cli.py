@@ -52,6 +52,9 @@ def parse_args(description, argv=None, accum_steps=None):
     parser.add_argument("--results-dir", default="results", help="where the JSON record goes")
     parser.add_argument("--estimate", action="store_true",
                         help="predict this run's peak GPU memory on fake tensors instead of training")
+    parser.add_argument("--compile", action="store_true",
+                        help="torch.compile the model: its first call generates fused kernels for "
+                             "the device (C++ on a CPU, Triton on a GPU), reused by later steps")
     if accum_steps is not None:
         parser.add_argument("--accum-steps", type=positive_int, default=accum_steps,
                             help=f"micro-batches per optimizer step (default: {accum_steps})")
@@ -78,7 +81,48 @@ def parse_args(description, argv=None, accum_steps=None):
                      f"(torch {torch.__version__}); use --device cpu, or --estimate to "
                      "predict GPU memory without a GPU")
     args.device = torch.device(args.device)
+    if args.compile and not args.estimate:  # the estimate runs the model uncompiled
+        if importlib.util.find_spec("common.compiled_memory") is None:
+            parser.error("--compile needs common/compiled_memory.py (how a compiled model's memory "
+                         "is counted), which this copy of the script lacks: copy it beside "
+                         "common/memory.py")
+        problem = compiler_problem(args.device)
+        if problem:
+            parser.error(f"--compile: {problem}; or run without --compile")
     return args
+
+
+def compiler_problem(device):
+    """Why torch.compile cannot build code for `device` here (in words that say what to
+    install), or None. Asked the way inductor itself asks (torch 2.13), before any training.
+
+    On a CPU inductor writes C++ and builds it with the compiler that torch._inductor.cpp_builder
+    finds: $CXX, else g++ (clang++ on macOS, which also needs OpenMP: torch's own message says how
+    when the build fails), else cl on Windows (found only in a Visual Studio developer prompt).
+    On CUDA it writes Triton kernels, which need the triton package (a dependency of the Linux
+    CUDA wheels of torch; triton-windows on Windows) and a GPU of compute capability 7.0 or more.
+    """
+    from torch._dynamo.eval_frame import check_if_dynamo_supported
+    try:
+        check_if_dynamo_supported()  # this Python version at all
+    except RuntimeError as error:
+        return str(error)
+    if device.type == "cuda":
+        from torch.utils._triton import has_triton
+        if not has_triton():
+            return ("torch.compile generates Triton kernels for a GPU, and found no working "
+                    "Triton here. Install it (pip install triton; on Windows, triton-windows) "
+                    "or use a GPU of compute capability 7.0 or more")
+        return None
+    from torch._inductor import cpp_builder
+    try:
+        cpp_builder.get_cpp_compiler()
+    except RuntimeError as error:  # InvalidCxxCompiler, or an MSVC that torch cannot use
+        return (f"torch.compile builds C++ code for a CPU, and found no compiler it can use "
+                f"({error}). Install g++ (Linux), the Xcode command line tools (macOS: "
+                "xcode-select --install) or Visual Studio's C++ build tools (Windows: run from "
+                "their developer prompt), or name a compiler in the CXX environment variable")
+    return None
 
 
 def check_batch_split(args, world_size):

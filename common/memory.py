@@ -72,6 +72,19 @@ def memory_tracker(model, optimizer):
     return tracker
 
 
+def is_compiled(model):
+    """True when torch.compile was applied to the model or to any of its modules (steps 07-09
+    compile each transformer block)."""
+    return any(isinstance(module, torch._dynamo.eval_frame.OptimizedModule)
+               or getattr(module, "_compiled_call_impl", None) is not None
+               for module in model.modules())
+
+
+def compile_seconds():
+    """Seconds torch.compile has spent compiling in this process so far."""
+    return torch._dynamo.utils.calculate_time_spent().get("total_wall_time", 0.0)
+
+
 def is_sharded(model):
     """True when FSDP2's fully_shard has been applied to the model itself (FSDPMemTracker
     needs the root sharded; steps 07-09 shard the blocks and then the root)."""
@@ -85,12 +98,18 @@ class MemoryMeter:
     per parameter, stepped during backward); the first one's steps are counted.
 
     A sharded model (steps 07-09) is tracked by FSDPMemTracker, which tells a process's shards
-    from the parameters gathered for a block; any other by MemTracker.
+    from the parameters gathered for a block; any other by MemTracker; a compiled one (--compile),
+    which neither can watch, from the allocator's own events (common/compiled_memory.py).
     """
 
     def __init__(self, device, model, optimizer):
         self.device, self.model, self.optimizer = device, model, optimizer
-        self.tracker_factory = FSDPMemTracker if is_sharded(model) else memory_tracker
+        self.from_allocations = is_compiled(model)  # neither tracker can watch compiled code
+        if self.from_allocations:
+            from common.compiled_memory import AllocationTracker  # needed only under --compile
+            self.tracker_factory = AllocationTracker
+        else:
+            self.tracker_factory = FSDPMemTracker if is_sharded(model) else memory_tracker
         # the model's parameters, whole (a sharded one is a DTensor, whose shape is the whole's),
         # and the share of them this process holds: 1/N of each when N processes shard them
         self.parameter_count = sum(parameter.numel() for parameter in model.parameters())
@@ -135,18 +154,21 @@ class MemoryMeter:
         self.steps_seen += 1
         if self.tracker is None:
             self.tracker = self.tracker_factory(self.model, self.optimizer)
-        # registered before the tracker's own global hooks, so it runs first
-        hook = torch.nn.modules.module.register_module_forward_pre_hook(
-            self.forget_previous_forward)
+        # registered before the tracker's own global hooks, so it runs first (not on compiled
+        # code: a global hook that comes and goes would make torch.compile compile again)
+        register = torch.nn.modules.module.register_module_forward_pre_hook
+        hook = None if self.from_allocations else register(self.forget_previous_forward)
         self.synchronize()  # the time left out is this step's, also on a GPU
-        start = time.perf_counter()
+        start, compiling = time.perf_counter(), compile_seconds()
         try:
             with self.tracker, removing_input_hooks():  # a new peak on entering: keep the highest
                 yield
         finally:
-            hook.remove()
+            if hook is not None:
+                hook.remove()
             self.synchronize()
-            self.tracked_seconds += time.perf_counter() - start
+            # compilation (the first step's, under --compile) stays in the training time
+            self.tracked_seconds += time.perf_counter() - start - (compile_seconds() - compiling)
         stats = device_snapshot(self.tracker.get_tracker_snapshot("peak"), self.device)
         if stats.get("Total", 0) > self.peak_bytes:
             self.peak_bytes, self.breakdown = stats["Total"], fold_breakdown(stats)
@@ -158,7 +180,10 @@ class MemoryMeter:
                   "parameter_count": self.parameter_count,
                   "model_state_bytes_per_parameter": model_state_bytes_per_parameter(
                       self.breakdown, self.parameters_held),
-                  "tracked_steps": self.steps_seen}
+                  "tracked_steps": self.steps_seen,
+                  # how the peak was counted: a compiled model's steps escape MemTracker
+                  "memory_counted_by": ("allocator events (torch.profiler)"
+                                        if self.from_allocations else "MemTracker")}
         if self.device.type == "cuda":
             result["cuda_max_allocated_bytes"] = torch.cuda.max_memory_allocated(self.device)
             result["cuda_max_reserved_bytes"] = torch.cuda.max_memory_reserved(self.device)

@@ -76,6 +76,8 @@ def report(args, script, creation, meter, progress, test_accuracy):
     if len(rank_peaks) > 1:  # the highest is the one above
         print(f"  per process: {' | '.join(mib(peak) for peak in rank_peaks)}")
     print(f"  at the peak: {breakdown}")
+    if memory.get("memory_counted_by", "MemTracker") != "MemTracker":  # --compile: say how
+        print(f"  counted from {memory['memory_counted_by']}: MemTracker cannot watch compiled code")
     print("  " + model_state_words(memory["model_state_bytes_per_parameter"],
                                    memory["parameter_count"], world_size))
     if "cuda_max_reserved_bytes" in memory:  # another window, another count: say which

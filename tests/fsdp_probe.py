@@ -7,10 +7,10 @@ Test-only changes, made from outside as the memory estimator does: the script's 
 float32 (so that runs can be compared closely), and its train_step is wrapped to note, before
 every step, this process's batch (size and a fingerprint), the size of its shard of each
 parameter, where parameters and optimizer state live and FSDP's offload setting; in the
-optimizer step, where the gradients live. It copies the gradients of the first step the memory
-meter does not watch, so that the copy stays out of the measured peak (the run needs
---max-steps above common.memory.TRACKED_STEPS). Each process writes OUT_DIR/rank<N>.json and
-OUT_DIR/grads_rank<N>.pt.
+optimizer step, where the gradients live; at the end, how many graphs torch.compile made. It
+copies the gradients of the first step the memory meter does not watch, so that the copy stays
+out of the measured peak (the run needs --max-steps above common.memory.TRACKED_STEPS). Each
+process writes OUT_DIR/rank<N>.json and OUT_DIR/grads_rank<N>.pt.
 """
 import json
 import os
@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 import torch
+from torch._dynamo.utils import counters
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
@@ -79,6 +80,7 @@ class Probe:
         optimizer.register_step_pre_hook(in_optimizer_step)
 
     def write(self, rank):
+        self.notes["compiled_graphs"] = counters["stats"]["unique_graphs"]  # under --compile
         self.out_dir.mkdir(parents=True, exist_ok=True)
         (self.out_dir / f"rank{rank}.json").write_text(json.dumps(self.notes))
         torch.save(self.gradients, self.out_dir / f"grads_rank{rank}.pt")

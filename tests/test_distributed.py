@@ -9,7 +9,6 @@ that outlives its own is killed with all its processes.
 import gc
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -21,83 +20,8 @@ import torch
 
 from common.evaluate import evaluate
 from common.presets import get_preset
-from conftest import ROOT, TEXT, load_script, model_state_bytes, run_script, script_path
-
-# 2 tracked steps and one more; whole batches (no micro-batches), so that the activations
-# checkpointing saves outweigh the few hundred KiB by which the collectives' buffers vary
-RUN = ["--epochs", "1", "--max-steps", "3", "--device", "cpu", "--accum-steps", "1"]
-WORLD_SIZE = 2
-LAUNCH_TIMEOUT = 150  # seconds for one group of processes; far above a normal run
-PROBED_TEST_TIMEOUT = 2 * LAUNCH_TIMEOUT + 60  # a test may start two runs (08 and 09)
-LOSS_TOLERANCE = dict(rtol=1e-5, atol=1e-6)  # float32; only the order of sums differs
-
-
-def stop(process):
-    """End a process we started and everything it started: torchrun ends its workers on SIGTERM."""
-    if process.poll() is None:
-        os.killpg(process.pid, signal.SIGTERM)
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
-
-
-def run_to_end(command, env=None, timeout=LAUNCH_TIMEOUT):
-    """Run `command` from the repository's root; returns (exit code, output). Fails on a hang."""
-    process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                               stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    try:
-        output, _ = process.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"still running after {timeout} s, so killed: {' '.join(map(str, command))}")
-    finally:
-        stop(process)  # also when pytest-timeout interrupts the wait
-    return process.returncode, output
-
-
-class ProbedRun:
-    """One torchrun run of a step in float32: its JSON record and what each process noted."""
-
-    def __init__(self, out_dir):
-        self.record = json.loads(next((out_dir / "results").glob("*.json")).read_text())
-        self.ranks = [json.loads((out_dir / f"rank{rank}.json").read_text())
-                      for rank in range(WORLD_SIZE)]
-        self.gradients = [torch.load(out_dir / f"grads_rank{rank}.pt")  # of the third step
-                          for rank in range(WORLD_SIZE)]
-
-
-@pytest.fixture(scope="module")
-def probed_runs(tmp_path_factory):
-    """probed_runs("07") runs 07 once per test module, on first use."""
-    runs = {}
-
-    def run(name, extra=()):
-        key = (name, *extra)
-        if key not in runs:
-            out_dir = tmp_path_factory.mktemp(f"run{name}")
-            command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                       f"--nproc_per_node={WORLD_SIZE}", "tests/fsdp_probe.py", out_dir, name,
-                       *RUN, *extra, "--results-dir", out_dir / "results"]
-            code, output = run_to_end(command)
-            assert code == 0, output
-            runs[key] = ProbedRun(out_dir)
-        return runs[key]
-    return run
-
-
-def one_process_fp32(name, results_dir, extra=()):
-    """A step run as one plain process, in this one, in float32; returns its record."""
-    script = load_script(name)
-    script.DTYPE = torch.float32
-    return run_script(name, [*RUN, *extra], results_dir, module=script)[0]
-
-
-@pytest.fixture(scope="module")
-def unsharded(tmp_path_factory):
-    """06 in float32 as one process: the same step on one device, without sharding."""
-    return one_process_fp32("06", tmp_path_factory.mktemp("run06"))
-
+from conftest import (LOSS_TOLERANCE, PROBED_TEST_TIMEOUT, ROOT, SHARDED_RUN, TEXT, WORLD_SIZE,
+                      load_script, model_state_bytes, one_process_fp32, script_path, stop)
 
 @pytest.mark.timeout(PROBED_TEST_TIMEOUT)
 def test_two_processes_follow_the_loss_of_one_with_the_same_global_batch(probed_runs, unsharded):
@@ -242,7 +166,7 @@ def test_neither_the_sharded_model_nor_the_group_outlives_the_run(name, tmp_path
     script, alive = watching_model_and_group(name)
     gc.disable()  # what the run leaves must be gone when it returns, not at some later collection
     try:
-        script.main([*RUN, "--results-dir", str(tmp_path)])
+        script.main([*SHARDED_RUN, "--results-dir", str(tmp_path)])
         model, group = alive
         assert model() is None, "the sharded model outlives the run"
         assert group() is None, "the process group outlives the run"
@@ -261,7 +185,7 @@ def test_a_run_that_fails_leaves_neither_the_model_nor_the_group_behind(tmp_path
     gc.disable()
     try:
         with pytest.raises(RuntimeError, match="evaluation failed") as failure:
-            script.main([*RUN, "--accum-steps", "2", "--results-dir", str(tmp_path)])
+            script.main([*SHARDED_RUN, "--accum-steps", "2", "--results-dir", str(tmp_path)])
         model, group = alive
         assert model() is None and group() is None
         assert "failing_evaluation" in str(failure.traceback[-1])  # the traceback still says where

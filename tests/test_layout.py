@@ -187,3 +187,12 @@ def test_a_copy_without_the_estimator_says_what_estimate_needs(tmp_path):
     done = run_copy(target, "04", "--estimate")
     assert done.returncode == 2
     assert "common/estimate/" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_a_copy_without_the_compiled_memory_module_says_what_compile_needs(tmp_path):
+    files = {path: note for path, note in files_a_copy_needs().items()
+             if path != "common/compiled_memory.py"}  # should the README list it, for --compile
+    target = copy_with(tmp_path, "04", files)
+    done = run_copy(target, "04", "--compile", "--device", "cpu")
+    assert done.returncode == 2
+    assert "common/compiled_memory.py" in done.stderr and "Traceback" not in done.stderr

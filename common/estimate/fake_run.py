@@ -33,7 +33,7 @@ from common.estimate.fake_tensor_patches import (FakeModeReadingZeros, device_me
                                sharding_propagation_apart, swappable_fake_parameters,
                                with_global_peak_only)
 from common.estimate.script_import import import_script
-from common.memory import MemoryMeter
+from common.memory import FSDPMemTracker, MemoryMeter, is_sharded, memory_tracker
 from common.memory import measure_creation as real_measure_creation
 from common.model import (classification_head, initialise, model_class, model_config,
                           offloads_to_host)
@@ -64,6 +64,7 @@ class FakeRun:
     meter_result: dict = None
     trace: AllocationTrace = field(default_factory=AllocationTrace)
     offloaded: bool = False  # FSDP keeps the sharded state in host memory (CPUOffloadPolicy)
+    compiled: bool = False  # the script compiled its model (--compile); it ran eagerly here
     creation: object = None  # what measure_creation measured, on fake tensors
     creation_events: slice = field(default_factory=lambda: slice(0, 0))  # model creation's events
 
@@ -185,6 +186,9 @@ def stand_ins(run, world_size):
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
             run.offloaded = run.offloaded or offloads_to_host(self.model)
+            if self.from_allocations:  # compiled (--compile), yet run eagerly here: see below
+                run.compiled, self.from_allocations = True, False
+                self.tracker_factory = FSDPMemTracker if is_sharded(self.model) else memory_tracker
             make_tracker = self.tracker_factory
             self.tracker_factory = lambda *made_of: with_global_peak_only(make_tracker(*made_of))
 
@@ -276,6 +280,10 @@ def run_on_fake_tensors(script_path, argv, world_size=1):
     script_argv = [*without_estimate_flag(argv), *QUICK_RUN, "--device", "cpu"]
     fake_mode = FakeModeReadingZeros(allow_non_fake_inputs=True)
     with ExitStack() as stack:
+        # torch.compile stands aside: the model runs eagerly, the prediction is the eager run's.
+        # Compiled code would escape MemTracker (common/compiled_memory.py says why), and the
+        # compiler would not compile under the tracker anyway, only mark the code never to be.
+        stack.enter_context(torch.compiler.set_stance("force_eager"))
         stack.enter_context(fake_mode)
         stack.enter_context(swappable_fake_parameters(fake_mode))
         stack.enter_context(device_meshes_made_for_real())

@@ -57,7 +57,8 @@ def predict(script_path, argv, world_size=1):
             "parameter_count": run.meter_result["parameter_count"],
             "model_state_bytes_per_parameter": model_state_bytes_per_parameter(
                 breakdown, run.meter_result["parameters_held"]),  # the device's bytes, as above
-            "init_allocated_bytes": init_allocated, "init_reserved_bytes": init_reserved}
+            "init_allocated_bytes": init_allocated, "init_reserved_bytes": init_reserved,
+            "compiled": run.compiled}
 
 
 def failure_message(error, script):
@@ -124,6 +125,11 @@ def summary(record):
     lines.append(f"peak memory of creation {in_units(record['init_allocated_bytes'])}"
                  + ("   (allocated on the GPU while the model is built, per process)" if gpu
                     else "   (as measure_creation counts)"))
+    if record.get("compiled"):
+        lines.append("--compile: predicted for the eager run (the model ran uncompiled here);\n"
+                     "  torch.compile fuses operations and chooses what backward keeps, so a "
+                     "compiled run's\n  activations and temporaries differ: a compiled run "
+                     "measures its own")
     published = published_gb(record)
     if published:
         lines.append(f"  the study measured {published:.2f} GB reserved: ratio "

@@ -1,0 +1,167 @@
+"""Peak memory of a compiled model's steps, counted from the allocator's own events.
+
+MemoryMeter (common/memory.py) counts with PyTorch's MemTracker, a TorchDispatchMode, which
+cannot watch compiled code: torch.compile (torch 2.13) does not compile a frame first reached
+under such a mode; it runs it eagerly and marks its code never to be compiled again
+(torch/_dynamo/convert_frame.py: "non-infra torch dispatch mode present"), so a compiled run
+tracked by MemTracker would measure, and then train, the eager model. Nor could a dispatch mode
+see the buffers of the code inductor generates, which are allocated without the dispatcher.
+
+So the steps of a compiled model are watched by the profiler instead (torch.profiler with
+profile_memory): it hears of every allocation and free from the allocator itself, compiled
+code's included, and leaves compilation alone. The count starts where MemTracker's does, from
+the model's parameters, buffers and gradients and the optimizer's state alive when the step
+begins, adds everything allocated during the step and takes off what it frees. On the first
+step of 01 (float32, eager) both count the same peak to the byte (tests/test_compile.py).
+Elsewhere the allocator sees a little more and a little less: more, the buffers an operation
+allocates for itself and frees before returning, which MemTracker, seeing only what operations
+return, cannot (a bfloat16 matrix product on a CPU takes one: 0.19 MiB at the peak of 03's
+first step); less, tensors made before the step that MemTracker counts once an operation returns
+a view of them (04's micro-batches of the input batch, on a CPU) or that it saw made in an
+earlier watched step (the loss of the step before).
+
+Each block alive at the peak goes into the category MemTracker would give it, by what it is and
+by what the profiler saw running when it was allocated: parameters and buffers (and, sharded,
+the whole weights FSDP gathers); gradients (the blocks that are the parameters' gradients when
+the optimizer step begins, counted from their allocation: MemTracker counts a gradient from when
+autograd hands it over, a temporary until then); the optimizer's state and whatever
+optimizer.step() allocates; temporaries (made during backward: autograd's, and FSDP's buffers
+for its collectives); activations (made anywhere else: forward, loss).
+"""
+import os
+
+import torch
+from torch._C._profiler import _EventType
+from torch.distributed._tools.common_utils import get_untyped_storages
+from torch.profiler import ProfilerActivity, _utils, profile
+
+# the profiler's record_function names whose allocations go to a category (the nearest wins),
+# as MemTracker's and FSDPMemTracker's names, which memory.py folds into the five it reports
+MADE_IN = [("FSDP::all_gather_copy_out", "Unsharded Param"), ("FSDP::all_gather", "All Gather"),
+           ("FSDP::post_backward_reduce", "Reduce Scatter"), ("Optimizer.step#", "Optstate"),
+           ("autograd::engine::evaluate_function", "Temp")]
+MADE_ELSEWHERE = "Activation"
+
+
+def storages(tensors):
+    """{(device, data pointer): bytes} of the tensors' storages (a DTensor's local shard)."""
+    found = {}
+    for tensor in tensors:
+        for storage in get_untyped_storages(tensor):
+            if storage.nbytes():
+                found[storage.device, storage.data_ptr()] = storage.nbytes()
+    return found
+
+
+def category_of(allocation):
+    """The category of what the operation around `allocation` made (see MADE_IN)."""
+    node = allocation.parent
+    while node is not None:
+        for name, category in MADE_IN:
+            if node.name.startswith(name):
+                return category
+        node = node.parent
+    return MADE_ELSEWHERE
+
+
+class AllocationTracker:
+    """Use as MemTracker is used by MemoryMeter: `with tracker:` around a step, then
+    `get_tracker_snapshot("peak")`: {device: {"Total": bytes, category: bytes}}, the highest
+    peak of the steps watched so far."""
+
+    def __init__(self, model, optimizer):
+        self.model = model  # `optimizer`: one, or a list of them (04a: one per parameter)
+        self.optimizers = optimizer if isinstance(optimizer, list) else [optimizer]
+        self.peak = {}  # device: {"Total": bytes, category: bytes}
+        self.gradients = set()  # (device, pointer) of the gradients the optimizer step found
+        self.optimizer_steps = []  # (start, end) in ns of the optimizer steps of the last step
+
+    def state_at_start(self):
+        """{(device, pointer): (bytes, category)} of the model's and optimizer's tensors."""
+        parameters = [*self.model.parameters(), *self.model.buffers()]
+        gradients = [parameter.grad for parameter in self.model.parameters()
+                     if parameter.grad is not None]
+        state = [value for optimizer in self.optimizers for per_parameter in optimizer.state.values()
+                 for value in per_parameter.values() if isinstance(value, torch.Tensor)]
+        held = {}
+        for tensors, category in [(parameters, "Parameter"), (gradients, "Gradient"),
+                                  (state, "Optstate")]:
+            held.update({key: (nbytes, category) for key, nbytes in storages(tensors).items()})
+        return held
+
+    def note_gradients(self, optimizer, args, kwargs):
+        gradients = [parameter.grad for group in optimizer.param_groups
+                     for parameter in group["params"] if parameter.grad is not None]
+        self.gradients |= set(storages(gradients))
+
+    def __enter__(self):
+        self.gradients.clear()
+        self.start = self.state_at_start()
+        self.hooks = [optimizer.register_step_pre_hook(self.note_gradients)
+                      for optimizer in self.optimizers]
+        # kineto's own log lines (profiler_start, profiler_stop) would interleave with the run's
+        os.environ.setdefault("KINETO_LOG_LEVEL", "6")
+        self.profiler = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+        self.profiler.__enter__()
+        return self
+
+    def __exit__(self, *exc_info):
+        self.profiler.__exit__(*exc_info)
+        for hook in self.hooks:
+            hook.remove()
+        events = list(_utils.traverse_dfs(
+            self.profiler.profiler.kineto_results.experimental_event_tree()))
+        del self.profiler
+        steps = [event.start_time_ns for event in events
+                 if event.name.startswith("Optimizer.step#")]
+        # under another dispatch mode (MemTracker, beside this count) some of the optimizer
+        # step's allocations come without it as a parent in the event tree: its time tells
+        self.optimizer_steps = [(event.start_time_ns, event.end_time_ns) for event in events
+                                if event.name.startswith("Optimizer.step#")]
+        allocations = sorted((event for event in events if event.typed[0] == _EventType.Allocation),
+                             key=lambda event: event.start_time_ns)
+        self.count(allocations, min(steps, default=None))
+        return False
+
+    def count(self, allocations, step_start):
+        """Replay the step's allocations and frees from the state at its start; keep each
+        device's highest total and the blocks alive then. `step_start`: when the optimizer step
+        began, where the gradients it found are the blocks alive."""
+        live = {key: (nbytes, category, None) for key, (nbytes, category) in self.start.items()}
+        totals = {}
+        for (device, _), (nbytes, _, _) in live.items():
+            totals[device] = totals.get(device, 0) + nbytes
+        peaks = {device: (total, dict(live)) for device, total in totals.items()}
+        gradients = set()  # the indices of the allocations that made gradients
+        for index, event in enumerate(allocations):
+            if step_start is not None and event.start_time_ns > step_start:
+                gradients = {live[key][2] for key in self.gradients if key in live}
+                step_start = None
+            fields = event.typed[1]
+            device, key = fields.device, (fields.device, fields.ptr)
+            if fields.alloc_size > 0:
+                if key in live:  # its free went unheard (seen once in ~800 events, sharded):
+                    totals[device] -= live.pop(key)[0]  # the allocator reuses only freed blocks
+                category = category_of(event)
+                if category == MADE_ELSEWHERE and any(
+                        start <= event.start_time_ns <= end for start, end in self.optimizer_steps):
+                    category = "Optstate"
+                live[key] = (fields.alloc_size, category, index)
+                totals[device] = totals.get(device, 0) + fields.alloc_size
+                if totals[device] > peaks.get(device, (0, None))[0]:
+                    peaks[device] = (totals[device], dict(live))
+            elif key in live:  # frees of blocks made before the step and not counted: no concern
+                totals[device] -= live.pop(key)[0]
+        for device, (total, blocks) in peaks.items():
+            if total <= self.peak.get(device, {}).get("Total", 0):
+                continue
+            by_category = {"Total": total}
+            for nbytes, category, index in blocks.values():
+                category = "Gradient" if index is not None and index in gradients else category
+                by_category[category] = by_category.get(category, 0) + nbytes
+            self.peak[device] = by_category
+
+    def get_tracker_snapshot(self, kind="peak"):
+        if kind != "peak":
+            raise ValueError(f"AllocationTracker keeps only the peak, not {kind!r}")
+        return dict(self.peak)

@@ -1,0 +1,167 @@
+"""--compile: a compiled model trains as the eager one does, and its memory is still measured.
+
+Compiling takes tens of seconds on a CPU, so each compiled run here is made once and shared by
+the tests that read it.
+"""
+from contextlib import contextmanager, nullcontext
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+from common.cli import compiler_problem, parse_args
+from common.compiled_memory import AllocationTracker
+from common.estimate import estimate
+from common.memory import device_snapshot, fold_breakdown
+from conftest import (CPU, LOSS_TOLERANCE, PROBED_TEST_TIMEOUT, QUICK, load_script, run_script,
+                      script_path)
+
+# two epochs of tiny (19 steps each) cut short: train, validate, train again, validate, test
+COMPILED = ["--compile", "--epochs", "2", "--max-steps", "21", *CPU]
+COMPILED_LAUNCH_TIMEOUT = 400  # two processes compiling on two cores
+
+
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory):
+    """01 compiled: (its record, its meter, the graphs torch.compile made during the run)."""
+    before = counters["stats"]["unique_graphs"]
+    record, meter = run_script("01", COMPILED, tmp_path_factory.mktemp("compiled"))
+    return record, meter, counters["stats"]["unique_graphs"] - before
+
+
+@pytest.mark.timeout(400)
+def test_a_compiled_model_follows_the_eager_losses(compiled, quick_records):
+    record, _, graphs = compiled
+    assert graphs >= 1  # it was compiled, not run eagerly
+    eager = quick_records["01"]["losses"]  # the same seed, so the same first two batches
+    assert len(set(eager)) == 2  # the loss moves, so following it means something
+    torch.testing.assert_close(torch.tensor(record["losses"][:2]), torch.tensor(eager),
+                               **LOSS_TOLERANCE)
+
+
+@pytest.mark.timeout(400)
+def test_switching_between_training_and_evaluation_compiles_each_once(compiled):
+    """Training, evaluation (no gradients) and evaluation's smaller last batch, where the batch
+    size becomes dynamic: three graphs, reused in the second epoch, never compiled again."""
+    record, _, graphs = compiled
+    assert record["steps"] == 21 and record["epochs"] == 2  # into the second epoch
+    assert graphs <= 3
+
+
+@pytest.mark.timeout(400)
+def test_a_compiled_run_records_its_peak_counted_from_the_allocator(compiled, quick_runs):
+    record, meter, _ = compiled
+    assert isinstance(meter.tracker, AllocationTracker)
+    assert record["memory_counted_by"].startswith("allocator")  # the record says how
+    assert quick_runs["01"][0]["memory_counted_by"] == "MemTracker"
+    breakdown, eager = record["breakdown_bytes"], quick_runs["01"][0]["breakdown_bytes"]
+    assert record["peak_memory_bytes"] == sum(breakdown.values()) > 0
+    # the same model and Adam: its state is the eager run's, counted by what it is
+    assert breakdown["parameters"] == eager["parameters"]
+    assert breakdown["optimizer_state"] == eager["optimizer_state"]
+    # compiled code's buffers are seen: a tracker blind to them would find few activations
+    assert breakdown["activations"] > eager["activations"] / 2
+
+
+class AlsoCountingAllocations:
+    """A MemoryMeter of `script` that also counts the allocator's events over the same steps."""
+
+    def __init__(self, script):
+        meter_class = script.MemoryMeter
+
+        class Meter(meter_class):
+            def __init__(self, device, model, optimizer):
+                super().__init__(device, model, optimizer)
+                self.allocations = AllocationTracker(model, optimizer)
+
+            @contextmanager
+            def step(self):
+                tracking = self.tracking()
+                with super().step():
+                    with self.allocations if tracking else nullcontext():
+                        yield
+
+        script.MemoryMeter = Meter
+
+
+@pytest.mark.timeout(120)
+def test_the_allocator_counts_the_eager_first_step_as_memtracker_does(tmp_path):
+    """01 in float32, one step, both counts over the same step: the same peak to the byte, the
+    same tensors by what they are; MemTracker counts a gradient from when autograd hands it
+    over, the allocator's count from its allocation, so only their sum with temporaries agrees."""
+    script = load_script("01")
+    AlsoCountingAllocations(script)
+    _, meter = run_script("01", [*QUICK, "--max-steps", "1"], tmp_path, module=script)
+    stats = device_snapshot(meter.allocations.get_tracker_snapshot("peak"), torch.device("cpu"))
+    counted = fold_breakdown(stats)
+    assert stats["Total"] == meter.peak_bytes > 0
+    for key in ["parameters", "optimizer_state", "activations"]:
+        assert counted[key] == meter.breakdown[key], key
+    assert (counted["gradients"] + counted["temporaries"]
+            == meter.breakdown["gradients"] + meter.breakdown["temporaries"])
+
+
+@pytest.mark.timeout(120)
+def test_the_allocator_counts_what_the_optimizer_step_makes_as_optimizer_state(tmp_path):
+    """04 (bfloat16, micro-batches), one step: Adam's state, made in the optimizer step, is
+    optimizer state by both counts (to a few bytes), not activations."""
+    script = load_script("04")
+    AlsoCountingAllocations(script)
+    _, meter = run_script("04", [*QUICK, "--max-steps", "1"], tmp_path, module=script)
+    stats = device_snapshot(meter.allocations.get_tracker_snapshot("peak"), torch.device("cpu"))
+    counted = fold_breakdown(stats)["optimizer_state"]
+    assert counted == pytest.approx(meter.breakdown["optimizer_state"], abs=1024) and counted > 0
+
+
+def test_without_a_cpu_compiler_compile_stops_with_what_to_install(monkeypatch, capsys):
+    from torch._inductor import cpp_builder, exc
+
+    def no_compiler():
+        raise exc.InvalidCxxCompiler()
+
+    monkeypatch.setattr(cpp_builder, "get_cpp_compiler", no_compiler)
+    with pytest.raises(SystemExit) as stopped:
+        parse_args("", ["--compile", *CPU])
+    assert stopped.value.code == 2
+    message = capsys.readouterr().err
+    assert "--compile" in message and "g++" in message and "CXX" in message
+    assert "without --compile" in message and "Traceback" not in message
+    parse_args("", ["--compile", "--estimate", *CPU])  # the estimate compiles nothing
+
+
+def test_without_triton_a_gpu_run_is_told_to_install_it(monkeypatch):
+    import torch.utils._triton
+    monkeypatch.setattr(torch.utils._triton, "has_triton", lambda: False)
+    assert "pip install triton" in compiler_problem(torch.device("cuda"))
+    monkeypatch.setattr(torch.utils._triton, "has_triton", lambda: True)
+    assert compiler_problem(torch.device("cuda")) is None
+    assert compiler_problem(torch.device("cpu")) is None  # this machine has g++
+
+
+@pytest.mark.timeout(120)
+def test_the_estimate_of_a_compiled_run_is_the_eager_one_and_says_so(tmp_path, capsys):
+    before = counters["stats"]["unique_graphs"]
+    flags = ["--estimate", *CPU, "--results-dir", str(tmp_path)]
+    eager = estimate(str(script_path("01")), flags)
+    said_for_eager = capsys.readouterr().out
+    compiled = estimate(str(script_path("01")), [*flags, "--compile"])
+    said = capsys.readouterr().out
+    assert counters["stats"]["unique_graphs"] == before  # nothing was compiled
+    assert compiled["compiled"] and not eager["compiled"]
+    assert compiled["allocated_bytes"] == eager["allocated_bytes"]
+    assert "predicted for the eager run" in said and "predicted for" not in said_for_eager
+
+
+@pytest.mark.timeout(PROBED_TEST_TIMEOUT + COMPILED_LAUNCH_TIMEOUT)
+def test_two_processes_compiling_each_block_follow_the_eager_loss(probed_runs, unsharded):
+    """07 with each transformer block compiled before it is sharded, in float32 on 2 processes,
+    against 06 uncompiled on one."""
+    run = probed_runs("07", ["--compile"], timeout=COMPILED_LAUNCH_TIMEOUT)
+    assert all(rank["compiled_graphs"] >= 1 for rank in run.ranks)  # compiled, not run eagerly
+    sharded = run.record
+    assert sharded["world_size"] == 2 and sharded["steps"] == unsharded["steps"] == 3
+    torch.testing.assert_close(torch.tensor(sharded["losses"]),
+                               torch.tensor(unsharded["losses"]), **LOSS_TOLERANCE)
+    assert len(sharded["rank_peak_memory_bytes"]) == 2 and all(
+        peak > 0 for peak in sharded["rank_peak_memory_bytes"])
+    assert sum(sharded["breakdown_bytes"].values()) == sharded["peak_memory_bytes"]
