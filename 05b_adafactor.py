@@ -23,7 +23,7 @@ from common.data import load_data, split_batch, to_device
 from common.evaluate import evaluate
 from common.memory import MemoryMeter, measure_creation
 from common.model import create_model
-from common.presets import get_preset
+from common.presets import preset_for
 from common.progress import Progress
 from common.summary import report
 
@@ -49,7 +49,7 @@ def train_step(model, optimizer, inputs, labels, device, accum_steps):  # gradie
 
 
 def train(args, device):
-    preset = get_preset(args.preset)
+    preset = preset_for(args)  # the preset, with --model's classifier if one is named
     torch.manual_seed(args.seed)
 
     data = load_data(preset, args.batch_size, device, seed=args.seed)

@@ -27,7 +27,7 @@ from common.distributed import end_distributed, init_distributed
 from common.evaluate import evaluate
 from common.memory import MemoryMeter, measure_creation
 from common.model import create_model, fill_shards, transformer_blocks
-from common.presets import get_preset
+from common.presets import preset_for
 from common.progress import Progress
 from common.summary import report
 
@@ -68,7 +68,7 @@ def train_step(model, optimizer, inputs, labels, device, accum_steps):  # gradie
 
 
 def train(args, device):
-    preset = get_preset(args.preset)
+    preset = preset_for(args)  # the preset, with --model's classifier if one is named
     torch.manual_seed(args.seed)
 
     rank, world_size = dist.get_rank(), dist.get_world_size()  # FSDP: each process takes its slice

@@ -1,6 +1,7 @@
 """The command line every numbered script shares, with checks that say what was wrong."""
 import argparse
 import importlib.util
+import sys
 from pathlib import Path
 
 import torch
@@ -40,6 +41,16 @@ def parse_args(description, argv=None, accum_steps=None):
                         help="tiny: offline, CPU, seconds (default); article: ViT-L/16 on "
                              "CIFAR-10; tiny-text: offline, a MiniLM on movie reviews; imdb: "
                              "BLOOM-560m on IMDb (article and imdb: GPU and network)")
+    parser.add_argument("--model", metavar="NAME_OR_DIR",
+                        help="train (or --estimate) this Hugging Face image or sequence classifier "
+                             "instead of the preset's model: a Hub id, or a directory holding its "
+                             "config.json (weights optional); the data comes from the preset")
+    parser.add_argument("--seq-len", type=positive_int,
+                        help="with --model, text: tokens per sequence (default: the preset's)")
+    parser.add_argument("--image-size", type=positive_int,
+                        help="with --model, images: height and width (default: the model's)")
+    parser.add_argument("--num-labels", type=positive_int,
+                        help="with --model: classes of its new head (default: the data's)")
     parser.add_argument("--epochs", type=positive_int, help="default: the preset's")
     parser.add_argument("--batch-size", type=positive_int,
                         help="samples per optimizer step, over all processes (default: the preset's)")
@@ -67,6 +78,11 @@ def parse_args(description, argv=None, accum_steps=None):
         parser.error(f"--results-dir {args.results_dir} is a file; name a directory (it is "
                      "created if missing)")
     preset = PRESETS[args.preset]
+    if args.model is not None:
+        preset = model_preset(parser, args, argv)
+    elif args.seq_len or args.image_size or args.num_labels:
+        parser.error("--seq-len, --image-size and --num-labels shape the model named by --model; "
+                     "the presets have their own (add --model NAME_OR_DIR)")
     args.epochs = args.epochs or preset.epochs
     args.batch_size = args.batch_size or preset.batch_size
     if accum_steps is None:
@@ -90,6 +106,40 @@ def parse_args(description, argv=None, accum_steps=None):
         if problem:
             parser.error(f"--compile: {problem}; or run without --compile")
     return args
+
+
+def model_preset(parser, args, argv):
+    """Check --model and the flags that shape it; pick the preset of its task (tiny or
+    tiny-text) when --preset was not given. Stops with a message on any problem."""
+    from common.any_model import ModelProblem, read_config, task_of, with_model
+    from common.presets import is_text
+    try:
+        config, _ = read_config(args.model)
+        task = task_of(config.model_type)
+        given = any(arg == "--preset" or arg.startswith("--preset=")
+                    for arg in (sys.argv[1:] if argv is None else argv))
+        if task is not None and not given:
+            args.preset = "tiny-text" if task == "text" else "tiny"
+        preset = PRESETS[args.preset]
+        holds = "text" if is_text(preset) else "images"
+        if task is not None and task != holds:
+            alike = [name for name, other in PRESETS.items()
+                     if ("text" if is_text(other) else "images") == task]
+            raise ModelProblem(f"--model {args.model} classifies {task}, but --preset "
+                               f"{args.preset} holds {holds}: choose a preset of {task} "
+                               f"({', '.join(alike)}), or leave --preset out")
+        if task == "text" and args.image_size or task == "images" and args.seq_len:
+            raise ModelProblem(f"--model {args.model} classifies {task}: "
+                               + ("--image-size is for images; use --seq-len" if task == "text"
+                                  else "--seq-len is for text; use --image-size"))
+        model_preset = with_model(preset, args.model, args.seq_len, args.image_size,
+                                  args.num_labels)
+    except ModelProblem as problem:
+        parser.error(str(problem))
+    if not args.estimate and model_preset.num_classes < preset.num_classes:
+        parser.error(f"--num-labels {args.num_labels}: the data of preset {args.preset} has "
+                     f"{preset.num_classes} classes; training needs at least as many")
+    return model_preset
 
 
 def compiler_problem(device):

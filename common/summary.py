@@ -35,6 +35,12 @@ def model_state_words(per_parameter, parameter_count, world_size):
                     "whole model)")
 
 
+def run_words(record):
+    """"preset tiny", or "model NAME on preset tiny-text" under --model."""
+    model = record.get("model")
+    return f"model {model} on preset {record['preset']}" if model else f"preset {record['preset']}"
+
+
 def report(args, script, creation, meter, progress, test_accuracy):
     """Print the summary of a finished run and write results/<script>.json; returns the record.
 
@@ -49,6 +55,7 @@ def report(args, script, creation, meter, progress, test_accuracy):
     record = {
         "script": Path(script).stem,
         "preset": args.preset,
+        "model": args.model,  # --model's classifier in place of the preset's (None: the preset's)
         "device": args.device.type,
         "world_size": world_size,
         "batch_size": args.batch_size,
@@ -69,7 +76,7 @@ def report(args, script, creation, meter, progress, test_accuracy):
         return record
     breakdown = " | ".join(f"{name.replace('_', ' ')} {mib(value)}"
                            for name, value in memory["breakdown_bytes"].items())
-    print(f"\n== {record['script']}  (preset {args.preset}, {args.device.type}, "
+    print(f"\n== {record['script']}  ({run_words(record)}, {args.device.type}, "
           f"{world_size} process{'es' if world_size > 1 else ''}) ==")
     print(f"peak memory of training  {mib(memory['peak_memory_bytes'])}")
     rank_peaks = memory.get("rank_peak_memory_bytes", [])

@@ -267,7 +267,7 @@ def test_offline_model_not_cached_is_named(monkeypatch):
 
     def not_cached(*args, **kwargs):
         raise OSError("We couldn't connect to 'https://huggingface.co' to load the files")
-    monkeypatch.setattr(model.ViTForImageClassification, "from_pretrained", not_cached)
+    monkeypatch.setattr(model.model_class(get_preset("article")), "from_pretrained", not_cached)
     with pytest.raises(SystemExit, match="google/vit-large-patch16-224 is not in this machine's"):
         model.create_model(get_preset("article"))
 

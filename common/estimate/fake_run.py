@@ -210,7 +210,7 @@ def stand_ins(run, world_size):
     def report(args, script, creation, meter, progress, test_accuracy):
         meter.result()
         world_size = dist.get_world_size() if dist.is_initialized() else 1
-        run.record = {"preset": args.preset, "world_size": world_size,
+        run.record = {"preset": args.preset, "model": args.model, "world_size": world_size,
                       "batch_size": args.batch_size, "accum_steps": args.accum_steps,
                       "steps": progress.steps}
         return run.record

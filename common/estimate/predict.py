@@ -15,11 +15,11 @@ from common.estimate.fake_run import EstimateError, run_on_fake_tensors, world_s
 from common.estimate.gpu_choices import HOST_CATEGORIES_WHEN_OFFLOADED
 from common.estimate.published import published_reserved_gb
 from common.memory import model_state_bytes_per_parameter
-from common.summary import model_state_words
+from common.summary import model_state_words, run_words
 
 ESTIMATE_FILE = "estimate.json"
 GB = 10**9  # the study's unit
-RECORD_KEY = ("script", "preset", "device", "world_size", "batch_size", "accum_steps")
+RECORD_KEY = ("script", "preset", "model", "device", "world_size", "batch_size", "accum_steps")
 
 
 @dataclass
@@ -49,7 +49,7 @@ def predict(script_path, argv, world_size=1):
         allocated = reserved = run.meter_result["peak_memory_bytes"]
         breakdown, host_bytes = run.meter_result["breakdown_bytes"], 0
         init_allocated = init_reserved = run.creation.peak_bytes if run.creation else 0
-    return {"script": run.script, "preset": run.record["preset"],
+    return {"script": run.script, "preset": run.record["preset"], "model": run.record["model"],
             "device": "cuda" if run.emulate_cuda else "cpu",
             "world_size": run.record["world_size"], "batch_size": run.record["batch_size"],
             "accum_steps": run.record["accum_steps"], "allocated_bytes": allocated,
@@ -61,10 +61,20 @@ def predict(script_path, argv, world_size=1):
             "compiled": run.compiled}
 
 
-def failure_message(error, script):
-    """One paragraph for a failed estimate: what went wrong and where."""
+def failure_message(error, script, argv=()):
+    """One paragraph for a failed estimate: what went wrong and where (and with which model,
+    under --model: an architecture may do what fake tensors cannot, such as branching on values)."""
     if isinstance(error, EstimateError):
         return str(error)
+    if "--model" in argv:
+        name = argv[argv.index("--model") + 1]
+        frames = traceback.extract_tb(error.__traceback__)
+        frame = frames[-1] if frames else None
+        where = f" (at {Path(frame.filename).name}:{frame.lineno})" if frame else ""
+        return (f"--model {name}: its {type(error).__name__} on fake tensors: {error}{where}. "
+                "The estimate runs the model on tensors without values; this architecture does "
+                "something that needs them (or that its GPU emulation does not know). Set "
+                "ESTIMATE_TRACEBACK=1 to see where")
     frames = traceback.extract_tb(error.__traceback__)
     own = [frame for frame in frames if Path(frame.filename) == Path(script)]
     frame = (own or frames or [None])[-1]
@@ -81,7 +91,7 @@ def attempt(row):
     except Exception as error:  # noqa: BLE001 - reported as the row's outcome
         if os.environ.get("ESTIMATE_TRACEBACK"):
             traceback.print_exc()
-        return None, failure_message(error, row.script), time.perf_counter() - start
+        return None, failure_message(error, row.script, row.argv), time.perf_counter() - start
     return record, None, time.perf_counter() - start
 
 
@@ -110,7 +120,7 @@ def summary(record):
     """The printed prediction for one run."""
     gpu = record["device"] == "cuda"
     what = "GPU (emulated)" if gpu else "CPU (no GPU emulation)"
-    lines = [f"\n== {record['script']} estimate  (preset {record['preset']}, {setting(record)}, "
+    lines = [f"\n== {record['script']} estimate  ({run_words(record)}, {setting(record)}, "
              f"{what}) ==",
              f"peak memory allocated  {in_units(record['allocated_bytes'])}"
              + ("   (as torch.cuda.max_memory_allocated)" if gpu else "   (as MemoryMeter counts)"),

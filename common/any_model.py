@@ -1,0 +1,126 @@
+"""--model NAME_OR_DIR: any Hugging Face image or sequence classifier in place of a preset's model.
+
+The model's config.json (in a local directory, in the Hugging Face cache, or on the Hub) names
+its architecture, and so its task: an image classifier trains on the images of the preset, a
+sequence classifier on its texts (`tiny` and `tiny-text` unless --preset says otherwise). The
+estimate needs only the config; training loads the pretrained weights where the model has them
+(a Hub id, or a directory holding weights), and otherwise draws new ones, as `tiny` does.
+"""
+import dataclasses
+import functools
+from pathlib import Path
+
+from transformers import AutoConfig
+from transformers.models.auto.modeling_auto import (
+    MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES, MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES)
+
+from common.hub import from_cache_when_offline, require_hub
+
+# the files from_pretrained reads weights from, whole or in shards
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+                "pytorch_model.bin.index.json")
+# what a config.json holds besides the architecture's arguments (the classes come from the data)
+NOT_ARGUMENTS = ("_name_or_path", "transformers_version", "architectures", "model_type",
+                 "id2label", "label2id", "num_labels", "torch_dtype", "dtype", "auto_map")
+
+
+class ModelProblem(ValueError):
+    """What is wrong with the model a user named, in words that say what to do instead."""
+
+
+def task_of(model_type):
+    """"images" or "text": which classifier transformers has for this architecture (None if
+    neither). Perceiver, the one architecture with both, is taken as text."""
+    if model_type in MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES:
+        return "text"
+    if model_type in MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES:
+        return "images"
+    return None
+
+
+def classifier_class_name(model_type):
+    """The transformers class that classifies with this architecture (for example
+    BertForSequenceClassification)."""
+    return (MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES.get(model_type)
+            or MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES[model_type])
+
+
+@functools.cache
+def read_config(name_or_dir):
+    """(config, has_weights) of a local model directory or a Hub id; a ModelProblem when there
+    is none. A Hub id is looked up in the Hugging Face cache first, then on the Hub."""
+    path = Path(name_or_dir).expanduser()
+    try:
+        if path.is_dir():
+            if not (path / "config.json").is_file():
+                raise ModelProblem(
+                    f"--model {name_or_dir}: the directory has no config.json. Name a directory "
+                    "that holds a Hugging Face model's config.json (its weights are optional), "
+                    "or a Hub id such as google-bert/bert-base-uncased")
+            config = AutoConfig.from_pretrained(path)
+            return config, any((path / name).is_file() for name in WEIGHT_FILES)
+        if path.exists() or name_or_dir.startswith((".", "/", "~")) or name_or_dir.count("/") > 1:
+            raise ModelProblem(f"--model {name_or_dir}: no such directory. Name a directory that "
+                               "holds a Hugging Face model's config.json, or a Hub id")
+        try:
+            return AutoConfig.from_pretrained(name_or_dir, local_files_only=True), True
+        except OSError:  # not in the cache: ask the Hub
+            pass
+        what = f"the config of {name_or_dir}"
+        require_hub(what)
+        with from_cache_when_offline(what):
+            return AutoConfig.from_pretrained(name_or_dir), True
+    except ValueError as error:  # an unknown model_type, or one that needs trust_remote_code
+        if isinstance(error, ModelProblem):
+            raise
+        reason = str(error).splitlines()[0]
+        raise ModelProblem(f"--model {name_or_dir}: transformers cannot build this architecture "
+                           f"({reason}). The scripts train architectures that transformers "
+                           "itself implements") from None
+    except OSError as error:  # the Hub answered: no such repository, or no config in it
+        reason = str(error).splitlines()[0]
+        raise ModelProblem(f"--model {name_or_dir}: not a local directory, and the Hub has no "
+                           f"config for it ({reason})") from None
+
+
+def longest_sequence(config):
+    """The most tokens the model has positions for (None when its positions are not bounded:
+    rotary or ALiBi positions, as in BLOOM)."""
+    for name in ("max_position_embeddings", "n_positions", "max_sequence_length"):
+        value = getattr(config, name, None)
+        if isinstance(value, int) and value > 0:
+            return value - (2 if config.model_type in ("roberta", "xlm-roberta", "camembert")
+                            else 0)  # RoBERTa's positions start after the padding index + 1
+    return None
+
+
+def with_model(preset, name_or_dir, seq_len=None, image_size=None, num_labels=None):
+    """`preset` (its data, batch, epochs and learning rates) with the model `name_or_dir`, given
+    `seq_len` tokens (text) or `image_size` pixels square (images) and `num_labels` classes."""
+    config, has_weights = read_config(name_or_dir)
+    task = task_of(config.model_type)
+    if task is None:
+        raise ModelProblem(
+            f"--model {name_or_dir}: a {config.model_type!r} model, for which transformers has "
+            "no sequence or image classifier. The scripts train classifiers: architectures that "
+            "AutoModelForSequenceClassification or AutoModelForImageClassification can build")
+    arguments = {key: value for key, value in config.to_diff_dict().items()
+                 if key not in NOT_ARGUMENTS}
+    changes = dict(model=name_or_dir if has_weights else None,
+                   tokenizer=name_or_dir if task == "text" else None,
+                   architecture=config.model_type, config=arguments,
+                   num_classes=num_labels or preset.num_classes)
+    if task == "text":
+        longest = longest_sequence(config)
+        if seq_len and longest and seq_len > longest:
+            raise ModelProblem(f"--seq-len {seq_len}: {name_or_dir} has positions for "
+                               f"{longest} tokens at most; ask for {longest} or fewer")
+        changes["max_length"] = seq_len or min(preset.max_length, longest or preset.max_length)
+        if config.pad_token_id is None:  # GPT-2, Llama: no padding token; classifiers need one
+            eos = config.eos_token_id
+            arguments["pad_token_id"] = eos[0] if isinstance(eos, list) else eos
+    else:
+        changes["image_size"] = image_size or getattr(config, "image_size", None) or preset.image_size
+        if image_size and "image_size" in arguments:  # ViT's position embeddings follow it (new
+            arguments["image_size"] = image_size       # ones, when pretrained ones do not fit)
+    return dataclasses.replace(preset, **changes)

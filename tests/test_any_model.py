@@ -1,0 +1,107 @@
+"""--model: any Hugging Face image or sequence classifier, trained and estimated by every step.
+
+The models here are small ones written as config.json files (a 2-layer BERT with MiniLM's
+tokenizer, a 2-layer ViT), so nothing is downloaded.
+"""
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from common.estimate.predict import predict
+from common.packaged import fetch
+from common.presets import MINILM
+from conftest import QUICK, ROOT, run_script, script_path
+
+NO_EMULATION = ["--device", "cpu"]
+SMALL = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=128)
+
+
+def write_config(folder, **config):
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """{"text": a BERT with MiniLM's tokenizer and no weights, "images": a ViT, config only}."""
+    root = tmp_path_factory.mktemp("models")
+    text = write_config(root / "bert", model_type="bert", vocab_size=30522, **SMALL)
+    for name in ("vocab.txt", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        shutil.copyfile(fetch(MINILM) / name, text / name)
+    images = write_config(root / "vit", model_type="vit", image_size=32, patch_size=8, **SMALL)
+    return {"text": text, "images": images}
+
+
+def run_command(*args, env=None):
+    """A script's command line in a process of its own: (exit status, what it printed)."""
+    done = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300, env=env)
+    return done.returncode, done.stdout + done.stderr
+
+
+@pytest.mark.parametrize("name, task", [("01", "images"), ("04", "text"), ("06", "text")])
+def test_the_estimate_of_a_model_from_a_config_equals_the_real_cpu_run(name, task, models,
+                                                                        small_snippets, tmp_path):
+    flags = ["--model", str(models[task])]
+    real, meter = run_script(name, [*flags, *QUICK], tmp_path)
+    assert real["model"] == str(models[task]) and real["parameter_count"] < 3e6  # the small one
+    predicted = predict(script_path(name), [*flags, *NO_EMULATION], world_size=1)
+    assert predicted["allocated_bytes"] == real["peak_memory_bytes"]
+    assert predicted["breakdown_bytes"] == real["breakdown_bytes"]
+
+
+def test_the_model_sets_the_task_and_the_flags_set_the_input_shape(models):
+    from common.cli import parse_args
+    from common.presets import is_text, preset_for
+    text = preset_for(parse_args("", ["--model", str(models["text"]), "--seq-len", "20"]))
+    assert is_text(text) and text.dataset == "movie-snippets" and text.max_length == 20
+    assert text.model is None and text.tokenizer == str(models["text"])  # no weights: drawn
+    images = preset_for(parse_args("", ["--model", str(models["images"]), "--image-size", "64",
+                                        "--num-labels", "12"]))
+    assert not is_text(images) and images.dataset == "digits"
+    assert images.image_size == images.config["image_size"] == 64 and images.num_classes == 12
+
+
+@pytest.mark.parametrize("flags, words", [
+    (["--model", "{missing}"], ["no such directory"]),
+    (["--model", "{empty}"], ["has no config.json"]),
+    (["--model", "{text}", "--preset", "tiny"], ["classifies text", "tiny-text"]),
+    (["--model", "{text}", "--image-size", "64"], ["--image-size is for images"]),
+    (["--model", "{text}", "--seq-len", "4096"], ["positions for 512 tokens"]),
+    (["--model", "{audio}"], ["'whisper' model", "no sequence or image classifier"]),
+    (["--model", "{unknown}"], ["transformers cannot build this architecture"]),
+    (["--seq-len", "16"], ["add --model"]),
+    (["--model", "{images}", "--num-labels", "2"], ["has 10 classes"]),
+])
+def test_a_model_the_scripts_cannot_take_gets_a_message(flags, words, models, tmp_path):
+    write_config(tmp_path / "empty")
+    (tmp_path / "empty" / "config.json").unlink()
+    folders = dict(models, missing=tmp_path / "nothing-here", empty=tmp_path / "empty",
+                   audio=write_config(tmp_path / "audio", model_type="whisper"),
+                   unknown=write_config(tmp_path / "unknown", model_type="no-such-architecture"))
+    status, output = run_command(str(script_path("03")),
+                                 *[flag.format(**folders) for flag in flags], "--device", "cpu")
+    assert status == 2 and "Traceback" not in output
+    for word in words:
+        assert word in output
+
+
+def test_text_training_without_a_tokenizer_says_what_the_directory_lacks(tmp_path):
+    folder = write_config(tmp_path / "bert", model_type="bert", **SMALL)
+    status, output = run_command(str(script_path("01")), "--model", str(folder), *QUICK,
+                                 "--results-dir", str(tmp_path))
+    assert status == 1 and "Traceback" not in output
+    assert "holds no tokenizer" in output and "--estimate needs only the config" in output
+
+
+def test_a_hub_id_offline_and_not_cached_says_so(tmp_path):
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path)}
+    status, output = run_command(str(script_path("03")), "--model", "someone/no-such-model",
+                                 "--estimate", env=env)
+    assert status == 1 and "Traceback" not in output
+    assert "someone/no-such-model" in output and "not in this machine's Hugging Face cache" in output
