@@ -11,6 +11,7 @@ from pathlib import Path
 
 import common.estimate
 from common.cli import positive_int
+from common.estimate.fit import fit_table, parse_size, search_all
 from common.estimate.predict import GB, Row, attempt, in_units, published_gb, save_records, setting
 from common.estimate.published import STUDY_RESERVED_GB
 from common.estimate.script_import import with_parent
@@ -37,13 +38,14 @@ def default_accum_steps(script):
     return int(found.group(1)) if found else 1
 
 
-def rows_for(script, preset, device, world_size):
-    """The script's default setting, plus every other setting the study published for it."""
-    base = ["--preset", preset, "--device", device]
+def rows_for(script, preset, device, world_size, model_flags=()):
+    """The script's default setting, plus every other setting the study published for it.
+    `model_flags`: --model and the flags that shape it, --batch-size; then only the one row."""
+    base = ["--preset", preset, "--device", device, *model_flags]
     distributed = is_distributed(script)
     rows = [Row(script, base, world_size if distributed else 1)]
     default = (get_preset(preset).batch_size, default_accum_steps(script))
-    if preset == "article" and device == "cuda" and not distributed:
+    if preset == "article" and device == "cuda" and not distributed and not model_flags:
         for (name, batch_size, accum_steps) in STUDY_RESERVED_GB:
             if name != script.stem or (batch_size, accum_steps) == default:
                 continue
@@ -144,8 +146,20 @@ def parse_table_args(argv):
     parser = argparse.ArgumentParser(
         prog="python -m common.estimate", description=common.estimate.__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--preset", choices=sorted(PRESETS), default="article",
-                        help="default: article (the study's ViT-L/16 setting)")
+    parser.add_argument("--preset", choices=sorted(PRESETS),
+                        help="default: article (the study's ViT-L/16 setting); with --model, "
+                             "tiny or tiny-text, as its task")
+    parser.add_argument("--model", metavar="NAME_OR_DIR",
+                        help="any Hugging Face image or sequence classifier: a Hub id, or a "
+                             "directory holding its config.json (only the config is read)")
+    parser.add_argument("--seq-len", type=positive_int, help="with --model, text: tokens")
+    parser.add_argument("--image-size", type=positive_int, help="with --model, images: pixels")
+    parser.add_argument("--num-labels", type=positive_int, help="with --model: classes")
+    parser.add_argument("--batch-size", type=positive_int,
+                        help="samples per optimizer step, over all GPUs (default: the preset's)")
+    parser.add_argument("--gpu-memory", metavar="SIZE",
+                        help="for each step, whether the batch fits in SIZE (for example 24GB, "
+                             "24GiB) and the largest batch or micro-batch that does")
     parser.add_argument("--world-size", type=positive_int, default=4,
                         help="processes (GPUs) for the distributed steps, 07 on (default: 4)")
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
@@ -155,7 +169,37 @@ def parse_table_args(argv):
     parser.add_argument("--jobs", type=positive_int, default=min(2, os.cpu_count() or 1),
                         help="estimates run at once, one process each (default: 2)")
     parser.add_argument("--results-dir", default="results", help="where estimate.json goes")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.gpu_memory is not None:
+        try:
+            args.capacity = parse_size(args.gpu_memory)
+        except ValueError as error:
+            parser.error(str(error))
+        if args.device != "cuda":
+            parser.error("--gpu-memory asks what fits on a GPU: leave --device cpu out")
+    return args
+
+
+def model_flags(args):
+    """The flags each script gets for --model and --batch-size; the preset the model's task
+    picks when --preset is not given (checked here once, as a script would check them)."""
+    flags = []
+    if args.model is not None:
+        flags += ["--model", args.model]
+        for name in ("seq_len", "image_size", "num_labels"):
+            if getattr(args, name) is not None:
+                flags += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
+        from common.cli import parse_args
+        script_args = parse_args("", [*flags, "--estimate", *(
+            ["--preset", args.preset] if args.preset else [])])  # exits with a message if wrong
+        args.preset = script_args.preset
+    elif args.seq_len or args.image_size or args.num_labels:
+        raise SystemExit("error: --seq-len, --image-size and --num-labels shape the model named "
+                         "by --model (add --model NAME_OR_DIR)")
+    args.preset = args.preset or "article"
+    if args.batch_size is not None:
+        flags += ["--batch-size", str(args.batch_size)]
+    return flags
 
 
 def main(argv=None):
@@ -165,12 +209,18 @@ def main(argv=None):
     scripts, notes = select_scripts(args.scripts)
     if not scripts:
         raise SystemExit("error: nothing to estimate.\n" + "\n".join(f"  {note}" for note in notes))
+    flags = model_flags(args)
     rows = [row for script in scripts
-            for row in rows_for(script, args.preset, args.device, args.world_size)]
+            for row in rows_for(script, args.preset, args.device, args.world_size, flags)]
     outcomes = run_rows(rows, args.jobs)
     records = [record for record, _, _ in outcomes if record]
     print("\n" + table(rows, outcomes))
     print(f"\n{PER_PARAMETER_NOTE} On a GPU: its own bytes, without what 08-09 offload.\n")
+    if args.gpu_memory is not None:
+        fits = search_all(rows, outcomes, args.capacity, args.jobs,
+                          lambda script: default_accum_steps(script) > 1)
+        print(fit_table(fits, args.gpu_memory) + "\n")
+        notes += [f"{fit.script}: {fit.problem}" for fit in fits if fit.problem]
     for row, (_, problem, _) in zip(rows, outcomes):
         if problem:
             notes.append(f"{row.label}: {problem}")

@@ -1,0 +1,98 @@
+"""--gpu-memory: the search for the largest batch (or micro-batch) that fits, on fake tensors."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+from common.estimate.fit import Fit, accumulation_for, parse_size, search
+from common.estimate.predict import Row, attempt, predict
+from conftest import ROOT, script_path
+
+SMALL_BERT = dict(model_type="bert", vocab_size=30522, hidden_size=64, num_hidden_layers=2,
+                  num_attention_heads=2, intermediate_size=128)
+
+
+@pytest.fixture(scope="module")
+def bert(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("bert")
+    (folder / "config.json").write_text(json.dumps(SMALL_BERT))
+    return str(folder)
+
+
+@pytest.mark.parametrize("text, nbytes", [("24GB", 24 * 10**9), ("24GiB", 24 * 2**30),
+                                          ("24G", 24 * 2**30), ("80 gb", 80 * 10**9),
+                                          ("1.5GB", 1_500_000_000), ("16000MB", 16 * 10**9)])
+def test_sizes_read_as_written(text, nbytes):
+    assert parse_size(text) == nbytes
+
+
+@pytest.mark.parametrize("text", ["lots", "24 GBs", "-3GB", "0GB", ""])
+def test_a_size_that_cannot_be_read_is_refused_with_examples(text):
+    with pytest.raises(ValueError, match="24GB, 24GiB"):
+        parse_size(text)
+
+
+def test_an_unreadable_gpu_memory_gets_a_message():
+    done = subprocess.run([sys.executable, "-m", "common.estimate", "--gpu-memory", "big"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert "--gpu-memory 'big'" in done.stderr and "24GB" in done.stderr
+
+
+def predicted(script, argv):
+    record = predict(script_path(script), ["--device", "cuda", *argv])
+    return record["allocated_bytes"], record["reserved_bytes"]
+
+
+def reserved(script, argv):
+    return predicted(script, argv)[1]
+
+
+def test_micro_batches_peak_alike_however_many_there_are(bert):
+    """Why the search runs two micro-batches of a size to answer for any number of them."""
+    flags = ["--model", bert]
+    sixteen = predicted("04", [*flags, "--batch-size", "32", "--accum-steps", "16"])
+    assert sixteen == predicted("04", [*flags, "--batch-size", "4", "--accum-steps", "2"])
+    larger = predicted("04", [*flags, "--batch-size", "16", "--accum-steps", "2"])
+    assert sixteen[0] < larger[0]  # the micro-batch, not the batch, sets the peak
+
+
+@pytest.mark.parametrize("script, accumulates", [("03", False), ("04", True)])
+def test_the_search_finds_a_size_that_fits_and_one_more_that_does_not(script, accumulates, bert):
+    base = ["--model", bert, "--device", "cuda"]
+    one, four = (reserved(script, [*base, "--batch-size", str(2 * size if accumulates else size),
+                                   *(["--accum-steps", "2"] if accumulates else [])])
+                 for size in (1, 4))
+    capacity = (one + four) // 2  # somewhere between one sample and four
+    found = search(script_path(script), base, 1, capacity, accumulates, samples=1600)
+    assert found.problem is None and found.largest >= 1 and not found.capped
+    largest, more = (found.largest, found.largest + 1)
+    as_run = (lambda size: ["--batch-size", str(2 * size), "--accum-steps", "2"]) if accumulates \
+        else (lambda size: ["--batch-size", str(size)])
+    assert reserved(script, [*base, *as_run(largest)]) <= capacity
+    assert reserved(script, [*base, *as_run(more)]) > capacity
+
+
+def test_nothing_fits_when_one_sample_does_not(bert):
+    found = search(script_path("03"), ["--model", bert, "--device", "cuda"], 1, 2**20, False,
+                   samples=1600)
+    assert found.largest is None and found.problem is None
+
+
+def test_the_asked_batch_is_split_into_the_fewest_micro_batches_that_fit():
+    fit = Fit("04_grad_accum", True, batch_size=64, world_size=4, largest=5)
+    assert accumulation_for(fit) == 4  # 16 per GPU: micro-batches of 4 (8 would not fit)
+    assert accumulation_for(Fit("04", True, batch_size=64, world_size=4, largest=16)) == 1
+
+
+def test_a_model_that_fails_on_fake_tensors_is_named_with_what_failed(bert, monkeypatch):
+    from transformers import BertModel
+
+    def needs_values(self, input_ids=None, **kwargs):
+        if input_ids.sum() > 0:  # a Python branch on a value: fake tensors have none
+            pass
+    monkeypatch.setattr(BertModel, "forward", needs_values)
+    record, problem, _ = attempt(Row(script_path("03"), ["--model", bert, "--device", "cuda"]))
+    assert record is None
+    assert f"--model {bert}" in problem and "fake tensors" in problem
