@@ -72,6 +72,21 @@ class FakeRun:
         return self.trace.events[self.creation_events.stop:]
 
 
+SAMPLES_FOR_ANY_BATCH = False  # set by any_batch_size()
+
+
+@contextmanager
+def any_batch_size():
+    """Within: the fake data set has as many samples as two batches of any size need (the
+    --gpu-memory search asks what fits, beyond what the preset's data set holds)."""
+    global SAMPLES_FOR_ANY_BATCH
+    before, SAMPLES_FOR_ANY_BATCH = SAMPLES_FOR_ANY_BATCH, True
+    try:
+        yield
+    finally:
+        SAMPLES_FOR_ANY_BATCH = before
+
+
 class FakeLoader:
     """Batches of the preset's shapes, made when asked for, as many as a real epoch has."""
 
@@ -147,6 +162,8 @@ def stand_ins(run, world_size):
             raise EstimateError(f"no sample count known for the data set {preset.dataset!r}; "
                                 f"add it to TRAIN_SAMPLES in {Path(__file__).name}")
         samples = TRAIN_SAMPLES[preset.dataset]
+        if SAMPLES_FOR_ANY_BATCH:  # the --gpu-memory search: two batches, whatever their size
+            samples = max(samples, 2 * batch_size)
         if batch_size > samples:
             raise EstimateError(f"--batch-size {batch_size} is larger than the {samples} training "
                                 f"samples of preset {preset.name!r}: no step would run")

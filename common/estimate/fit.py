@@ -11,7 +11,8 @@ For each script the search finds the largest micro-batch per GPU whose predicted
   answer holds for every batch made of such micro-batches.
 
 Memory grows about linearly with the micro-batch, so two estimates give a line, the line gives a
-candidate, and estimates confirm it: the candidate fits and one more sample does not. The
+candidate, and estimates confirm it: the candidate fits and the next size does not (one sample
+more up to 32, then the next multiple of 8: the sizes GPUs prefer, and fewer estimates). The
 asked batch is estimated as it is (the table's row), so the answer also says whether it fits.
 """
 import gc
@@ -20,12 +21,14 @@ import re
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 
+from common.estimate.fake_run import any_batch_size
 from common.estimate.predict import GB, Row, attempt, in_units
 
 UNITS = {"": GB, "b": 1, "kb": 10**3, "mb": 10**6, "gb": GB, "tb": 10**12,
          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "k": 2**10, "m": 2**20,
          "g": 2**30, "t": 2**40}
-MAX_ESTIMATES = 12  # per script: two for the line, then confirmations (usually two or three)
+MAX_ESTIMATES = 12  # per script: two for the line, then confirmations (usually two)
+MAX_MICRO_BATCH = 4096  # per GPU: the search stops there ("4096+")
 
 
 def parse_size(text):
@@ -48,8 +51,8 @@ class Fit:
     asked_reserved: int | None = None  # the asked batch's predicted reserved bytes
     capacity: int = 0       # bytes the GPU has for PyTorch (--gpu-memory)
     largest: int | None = None  # the largest micro-batch per GPU that fits (None: not even 1)
-    capped: bool = False    # the data set has no more samples: the largest may be larger
-    tried: dict = field(default_factory=dict)  # micro-batch per GPU: predicted reserved bytes
+    capped: bool = False    # MAX_MICRO_BATCH fits: the largest may be larger
+    tried: dict = field(default_factory=dict)  # micro-batch: (allocated, reserved) bytes
     problem: str | None = None
 
 
@@ -62,62 +65,86 @@ def micro_row(script, base_argv, world_size, micro, accumulates):
     return Row(script, [*base_argv, *flags], world_size)
 
 
-def search(script, base_argv, world_size, capacity, accumulates, samples, known=None):
+def search(script, base_argv, world_size, capacity, accumulates, known=None):
     """The largest micro-batch per process of `script` whose predicted reserved memory is at
-    most `capacity` bytes, confirmed on fake tensors; at most what the data set's `samples`
-    allow. `known`: {micro-batch: reserved bytes} already predicted (the asked batch's row)."""
+    most `capacity` bytes (to the granule: one sample up to 32, then 8), confirmed on fake
+    tensors: it fits, and the next size does not.
+    `known`: {micro-batch: (allocated, reserved)} already predicted (the asked batch's row)."""
     found = Fit(script.stem, accumulates, capacity=capacity, tried=dict(known or {}))
-    limit = max(1, samples // (world_size * (2 if accumulates else 1)))
 
-    def reserved(micro):
+    def fits(micro):
         if micro not in found.tried:
-            row = micro_row(script, base_argv, world_size, micro, accumulates)
-            record, problem, _ = attempt(row)
+            with any_batch_size():  # a question of memory: the data set's size does not limit it
+                record, problem, _ = attempt(micro_row(script, base_argv, world_size, micro,
+                                                       accumulates))
             if problem:
                 raise RuntimeError(problem)
-            found.tried[micro] = record["reserved_bytes"]
-        return found.tried[micro]
+            found.tried[micro] = (record["allocated_bytes"], record["reserved_bytes"])
+        return found.tried[micro][1] <= capacity
 
     try:
-        if reserved(1) > capacity:
+        if not fits(1):
             return found  # not even one sample
-        fitting = [size for size, nbytes in found.tried.items() if nbytes <= capacity]
-        fits = min(max(fitting), limit)
-        too_big = min((size for size, nbytes in found.tried.items() if nbytes > capacity),
-                      default=None)
+        low = max(size for size, (_, nbytes) in found.tried.items() if nbytes <= capacity)
+        high = min((size for size, (_, nbytes) in found.tried.items() if nbytes > capacity),
+                   default=None)
         width = None  # the bracket's width before the last estimate
-        while too_big != fits + 1 and not (too_big is None and fits >= limit):
+        while not settled(low, high):
             if len(found.tried) >= MAX_ESTIMATES:
-                found.problem = (f"no answer within {MAX_ESTIMATES} estimates: {fits} fits, "
-                                 f"{too_big} does not")
+                found.problem = f"no answer within {MAX_ESTIMATES} estimates: {low} fits, {high} not"
                 break
-            candidate = next_candidate(found.tried, capacity, fits, too_big, limit)
-            if too_big is not None and width is not None and too_big - fits > width / 2:
-                candidate = (fits + too_big) // 2  # the line did not halve the bracket: bisect
-            width = None if too_big is None else too_big - fits
-            if reserved(candidate) <= capacity:
-                fits = candidate
+            candidate = snap(next_candidate(found.tried, capacity, low, high))
+            if high is not None and (width is not None and high - low > width / 2
+                                     or not snap(low) < candidate < high):
+                candidate = snap((low + high) // 2)  # the line did not halve the bracket: bisect
+            if candidate <= snap(low):
+                candidate = snap(low) + granule(snap(low))  # the next size the answer can take
+            width = None if high is None else high - low
+            if fits(candidate):
+                low = candidate
             else:
-                too_big = candidate
-        found.largest, found.capped = fits, too_big is None
+                high = candidate
+        found.largest, found.capped = snap(low), high is None
     except RuntimeError as error:
         found.problem = str(error)
     return found
 
 
-def next_candidate(tried, capacity, fits, too_big, limit):
-    """The micro-batch to estimate next, strictly between the largest that fits and the
-    smallest that does not: where the line through the two points nearest the boundary meets
-    `capacity`. Memory that does not grow with the micro-batch sends it to the data's limit."""
-    upper = too_big - 1 if too_big is not None else limit
-    below = sorted(size for size in tried if size <= fits)
-    (x0, x1) = (fits, too_big) if too_big is not None else (
-        (below[-2], below[-1]) if len(below) > 1 else (None, None))
-    if x0 is None:
-        return min(2 * fits, upper)
-    slope = (tried[x1] - tried[x0]) / (x1 - x0)
-    guess = int(x0 + (capacity - tried[x0]) / slope) if slope > 0 else upper
-    return min(max(guess, fits + 1), upper)
+def granule(size):
+    """The answer's resolution: every size up to 32 samples, multiples of 8 above (the sizes
+    GPUs prefer, and fewer estimates)."""
+    return 1 if size < 32 else 8
+
+
+def snap(size):
+    """The largest size the answer can take at or below `size`."""
+    return size - size % granule(size)
+
+
+def settled(low, high):
+    """Whether the answer is known: snap(low) fits and the next size it could take does not
+    (or the search has reached MAX_MICRO_BATCH)."""
+    answer = snap(low)
+    if high is None:
+        return answer >= MAX_MICRO_BATCH
+    return high <= answer + granule(answer)
+
+
+def next_candidate(tried, capacity, low, high):
+    """The micro-batch to estimate next, strictly between `low` (fits) and `high` (does not, or
+    None): where the line through the two tried sizes nearest the boundary reaches `capacity`,
+    by allocated bytes (exactly linear within a phase of the step) plus the allocator's
+    overhead seen at `low`. Memory that does not grow with the micro-batch sends it to the top."""
+    upper = high - 1 if high is not None else MAX_MICRO_BATCH
+    below = sorted(size for size in tried if size <= low)
+    x0, x1 = (low, high) if high is not None else (below[-2:] if len(below) > 1 else (low, None))
+    if x1 is None:
+        return min(2 * low, upper)
+    (a0, r0), (a1, _) = tried[x0], tried[x1]
+    slope = (a1 - a0) / (x1 - x0)
+    overhead = tried[low][1] - tried[low][0]  # reserved beyond allocated: segments, rounding
+    guess = int(x0 + (capacity - overhead - a0) / slope) if slope > 0 else upper
+    return min(max(guess, low + 1), upper)
 
 
 FLAGS_SEARCHED = ("--batch-size", "--accum-steps")
@@ -136,21 +163,14 @@ def without_batch_flags(argv):
     return kept
 
 
-def training_samples(argv):
-    """How many training samples the data set of this command line has (the fake run's count)."""
-    from common.cli import parse_args
-    from common.estimate.fake_run import TRAIN_SAMPLES
-    from common.presets import preset_for
-    return TRAIN_SAMPLES[preset_for(parse_args("", [*argv, "--estimate"])).dataset]
-
-
 def search_task(row, record, capacity, accumulates):
     """search()'s arguments for a script, from its asked row and that row's prediction."""
     micro = record["batch_size"] // (record["accum_steps"] * record["world_size"])
     # the asked row is a point of the search when it ran micro-batches as the search runs them
-    known = {micro: record["reserved_bytes"]} if (not accumulates or record["accum_steps"] > 1) else {}
+    as_searched = not accumulates or record["accum_steps"] > 1
+    known = {micro: (record["allocated_bytes"], record["reserved_bytes"])} if as_searched else {}
     return (row.script, without_batch_flags(row.argv), row.world_size, capacity, accumulates,
-            training_samples(row.argv), known)
+            known)
 
 
 def search_all(rows, outcomes, capacity, jobs, accumulates):
@@ -194,7 +214,7 @@ def fit_words(fit):
         return "search failed (see the note)"
     if fit.largest is None:
         return "not even 1 sample"
-    more = "+" if fit.capped else ""  # the data set ran out first
+    more = "+" if fit.capped else ""  # the search stopped at MAX_MICRO_BATCH
     if not fit.accumulates:
         return f"batch {fit.largest * fit.world_size}{more}"
     words = f"micro-batches of {fit.largest}{more}" + (" per GPU" if fit.world_size > 1 else "")
