@@ -15,6 +15,7 @@ the whole model, not even while it is created.
   torchrun --nproc_per_node=2 07_fsdp.py --preset tiny-text  # text
   python 07_fsdp.py                               # the same as one process
   torchrun --nproc_per_node=4 07_fsdp.py --preset article  # the study's model on 4 GPUs
+  torchrun --nproc_per_node=2 07_fsdp.py --reshard-after-forward false  # ZeRO-2's memory
   python 07_fsdp.py --estimate                    # predict peak GPU memory without a GPU
 """
 import torch
@@ -77,7 +78,8 @@ def train(args, device):
         for block in transformer_blocks(model):
             if args.compile:  # FSDP: compile each block before sharding it (torchtitan's order):
                 block.compile()  # FSDP's gathers stay outside compiled code; alike blocks share it
-            fully_shard(block, **shard_options)
+            # true: ZeRO-3, gathered weights freed after forward; false: kept until backward
+            fully_shard(block, **shard_options, reshard_after_forward=args.reshard_after_forward)
         fully_shard(model, **shard_options)  # embeddings, final norm and head
         fill_shards(model, preset, device)  # FSDP: each process allocates and fills its shards
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr or preset.sgd_lr)  # plain SGD
@@ -103,7 +105,7 @@ def train(args, device):
 
 
 def main(argv=None):
-    args = parse_args(__doc__, argv, accum_steps=4)  # gradient accumulation: --accum-steps
+    args = parse_args(__doc__, argv, accum_steps=4, sharded=True)  # FSDP, gradient accumulation
     if args.estimate:  # predict instead: this script's main() on fake tensors (common/estimate/)
         from common.estimate import estimate
         return estimate(__file__, argv)

@@ -91,7 +91,8 @@ def train(args, device):
         for block in transformer_blocks(model):
             if args.compile:  # FSDP: compile each block before sharding it (torchtitan's order):
                 block.compile()  # FSDP's gathers stay outside compiled code; alike blocks share it
-            fully_shard(block, **shard_options)
+            # true: ZeRO-3, gathered weights freed after forward; false: kept until backward
+            fully_shard(block, **shard_options, reshard_after_forward=args.reshard_after_forward)
         fully_shard(model, **shard_options)  # embeddings, final norm and head
         fill_shards(model, preset, device)  # FSDP: each process allocates and fills its shards
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr or preset.sgd_lr)  # plain SGD
@@ -117,7 +118,7 @@ def train(args, device):
 
 
 def main(argv=None):
-    args = parse_args(__doc__, argv, accum_steps=4)  # gradient accumulation: --accum-steps
+    args = parse_args(__doc__, argv, accum_steps=4, sharded=True)  # FSDP, gradient accumulation
     if args.estimate:  # predict instead: this script's main() on fake tensors (common/estimate/)
         from common.estimate import estimate
         return estimate(__file__, argv)

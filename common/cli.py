@@ -19,6 +19,12 @@ def positive_int(text):
     return value
 
 
+def true_or_false(text):
+    if text.lower() not in ("true", "false"):
+        raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+    return text.lower() == "true"
+
+
 def positive_float(text):
     try:
         value = float(text)
@@ -29,8 +35,9 @@ def positive_float(text):
     return value
 
 
-def parse_args(description, argv=None, accum_steps=None):
-    """Parse the shared flags; `accum_steps` (from step 04 on) adds --accum-steps with that default.
+def parse_args(description, argv=None, accum_steps=None, sharded=False):
+    """Parse the shared flags; `accum_steps` (from step 04 on) adds --accum-steps with that
+    default, `sharded` (07 on) --reshard-after-forward.
 
     Preset defaults fill --epochs and --batch-size; --lr stays None unless given, so each script
     picks its optimizer's default from the preset.
@@ -69,6 +76,12 @@ def parse_args(description, argv=None, accum_steps=None):
     if accum_steps is not None:
         parser.add_argument("--accum-steps", type=positive_int, default=accum_steps,
                             help=f"micro-batches per optimizer step (default: {accum_steps})")
+    if sharded:
+        parser.add_argument("--reshard-after-forward", type=true_or_false, default=True,
+                            metavar="{true,false}",
+                            help="true (default, ZeRO-3): each block's gathered weights are freed "
+                                 "after its forward and gathered again in backward; false "
+                                 "(ZeRO-2's memory): kept from forward to backward, one gather")
     args = parser.parse_args(argv)
 
     if args.estimate and importlib.util.find_spec("common.estimate") is None:

@@ -56,6 +56,8 @@ def report(args, script, creation, meter, progress, test_accuracy):
         "script": Path(script).stem,
         "preset": args.preset,
         "model": args.model,  # --model's classifier in place of the preset's (None: the preset's)
+        # 07-09: whether each block's gathered weights were freed after forward (ZeRO-3)
+        "reshard_after_forward": getattr(args, "reshard_after_forward", None),
         "device": args.device.type,
         "world_size": world_size,
         "batch_size": args.batch_size,
@@ -76,8 +78,10 @@ def report(args, script, creation, meter, progress, test_accuracy):
         return record
     breakdown = " | ".join(f"{name.replace('_', ' ')} {mib(value)}"
                            for name, value in memory["breakdown_bytes"].items())
+    sharding = {True: ", ZeRO-3", False: ", gathered weights kept to backward (ZeRO-2)"}.get(
+        record["reshard_after_forward"], "")  # --reshard-after-forward, 07-09
     print(f"\n== {record['script']}  ({run_words(record)}, {args.device.type}, "
-          f"{world_size} process{'es' if world_size > 1 else ''}) ==")
+          f"{world_size} process{'es' if world_size > 1 else ''}{sharding}) ==")
     print(f"peak memory of training  {mib(memory['peak_memory_bytes'])}")
     rank_peaks = memory.get("rank_peak_memory_bytes", [])
     if len(rank_peaks) > 1:  # the highest is the one above

@@ -228,6 +228,7 @@ def stand_ins(run, world_size):
         meter.result()
         world_size = dist.get_world_size() if dist.is_initialized() else 1
         run.record = {"preset": args.preset, "model": args.model, "world_size": world_size,
+                      "reshard_after_forward": getattr(args, "reshard_after_forward", None),
                       "batch_size": args.batch_size, "accum_steps": args.accum_steps,
                       "steps": progress.steps}
         return run.record

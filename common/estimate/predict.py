@@ -19,7 +19,7 @@ from common.summary import model_state_words, run_words
 
 ESTIMATE_FILE = "estimate.json"
 GB = 10**9  # the study's unit
-RECORD_KEY = ("script", "preset", "model", "device", "world_size", "batch_size", "accum_steps")
+RECORD_KEY = ("script", "preset", "model", "reshard_after_forward", "device", "world_size", "batch_size", "accum_steps")
 
 
 @dataclass
@@ -50,6 +50,7 @@ def predict(script_path, argv, world_size=1):
         breakdown, host_bytes = run.meter_result["breakdown_bytes"], 0
         init_allocated = init_reserved = run.creation.peak_bytes if run.creation else 0
     return {"script": run.script, "preset": run.record["preset"], "model": run.record["model"],
+            "reshard_after_forward": run.record["reshard_after_forward"],
             "device": "cuda" if run.emulate_cuda else "cpu",
             "world_size": run.record["world_size"], "batch_size": run.record["batch_size"],
             "accum_steps": run.record["accum_steps"], "allocated_bytes": allocated,
@@ -110,6 +111,8 @@ def setting(record):
     parts = [f"batch {record['batch_size']}"]
     if record["accum_steps"] > 1:
         parts.append(f"{record['accum_steps']} micro-batches")
+    if record.get("reshard_after_forward") is False:
+        parts.append("gathered weights kept to backward")
     if record["world_size"] > 1:
         parts.append(f"{record['world_size']} GPUs" if record["device"] == "cuda"
                      else f"{record['world_size']} processes")
