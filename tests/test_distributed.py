@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from common.evaluate import evaluate
+from common.model import create_model, transformer_blocks
 from common.presets import get_preset
 from conftest import (LOSS_TOLERANCE, PROBED_TEST_TIMEOUT, ROOT, SHARDED_RUN, TEXT, WORLD_SIZE,
                       load_script, model_state_bytes, one_process_fp32, script_path, stop)
@@ -291,3 +292,45 @@ def test_an_evaluation_batch_too_small_to_split_stops_with_a_message():
                                  world_size=2).sampler) for rank in range(2)]
     assert len(per_rank[0]) == len(per_rank[1]) == 3 and all(map(all, zip(*per_rank)))
     assert sorted(i for batches in per_rank for batch in batches for i in batch) == samples
+
+
+KEEP_GATHERED = ["--reshard-after-forward", "false"]
+
+
+@pytest.mark.timeout(PROBED_TEST_TIMEOUT)
+def test_keeping_the_gathered_weights_to_backward_trains_alike_and_holds_more(probed_runs):
+    """--reshard-after-forward false (ZeRO-2's memory): the same math, fewer gathers, and the
+    gathered weights of the blocks held from forward to backward."""
+    freed, kept = probed_runs("07"), probed_runs("07", KEEP_GATHERED)
+    assert (freed.record["reshard_after_forward"], kept.record["reshard_after_forward"]) == (
+        True, False)
+    torch.testing.assert_close(torch.tensor(kept.record["losses"]),
+                               torch.tensor(freed.record["losses"]), **LOSS_TOLERANCE)
+    for before, after in zip(freed.gradients, kept.gradients):
+        torch.testing.assert_close(after, before, **LOSS_TOLERANCE)
+    # float32, 4 blocks: freed holds one block's whole weights gathered (two while the next is
+    # fetched); kept holds every block's at the end of forward, less its own half of each
+    block_bytes = 4 * sum(param.numel() for param in
+                          transformer_blocks(create_model(get_preset("tiny")))[0].parameters())
+    more = (kept.record["breakdown_bytes"]["parameters"]
+            - freed.record["breakdown_bytes"]["parameters"])
+    assert more >= block_bytes, (more, block_bytes)
+    assert kept.record["peak_memory_bytes"] > freed.record["peak_memory_bytes"]
+
+
+def test_the_estimate_predicts_the_kept_weights_too():
+    from common.estimate.predict import predict
+    freed, kept = (predict(script_path("07"), ["--preset", "article", "--device", "cuda",
+                                               "--reshard-after-forward", value], world_size=4)
+                   for value in ("true", "false"))
+    whole_blocks_bf16 = 24 * 12.6e6 * 2  # ViT-L/16: 24 blocks of 12.6M parameters, 2 bytes
+    more = kept["breakdown_bytes"]["parameters"] - freed["breakdown_bytes"]["parameters"]
+    assert 0.8 * whole_blocks_bf16 < more < whole_blocks_bf16  # every block's, less a share
+
+
+@pytest.mark.parametrize("script, value", [("06", "false"), ("07", "maybe")])
+def test_the_flag_is_07_to_09s_and_takes_true_or_false(script, value, capsys):
+    with pytest.raises(SystemExit) as stopped:
+        load_script(script).main(["--reshard-after-forward", value, "--estimate"])
+    assert stopped.value.code == 2
+    assert "--reshard-after-forward" in capsys.readouterr().err
