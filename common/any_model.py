@@ -24,6 +24,11 @@ NOT_ARGUMENTS = ("_name_or_path", "transformers_version", "architectures", "mode
                  "id2label", "label2id", "num_labels", "torch_dtype", "dtype", "auto_map")
 
 
+# the attention code a config.json may ask for: what the GPU estimate knows how a GPU runs
+# (sdpa: PyTorch's fused kernels, common/estimate/gpu_choices.py; eager: plain operators)
+ATTENTION_EMULATED = ("sdpa", "eager")
+
+
 class ModelProblem(ValueError):
     """What is wrong with the model a user named, in words that say what to do instead."""
 
@@ -106,6 +111,14 @@ def with_model(preset, name_or_dir, seq_len=None, image_size=None, num_labels=No
             "AutoModelForSequenceClassification or AutoModelForImageClassification can build")
     arguments = {key: value for key, value in config.to_diff_dict().items()
                  if key not in NOT_ARGUMENTS}
+    asked = getattr(config, "_attn_implementation_internal", None)  # "attn_implementation"
+    if asked is not None:  # in config.json: the attention code it asks for (else transformers'
+        if asked not in ATTENTION_EMULATED:  # default: sdpa where the architecture has it)
+            raise ModelProblem(
+                f"--model {name_or_dir}: its config asks for attn_implementation {asked!r}; the "
+                f"scripts and their GPU estimate take {' or '.join(ATTENTION_EMULATED)} (remove "
+                "the key for transformers' default)")
+        arguments["attn_implementation"] = asked
     changes = dict(model=name_or_dir if has_weights else None,
                    tokenizer=name_or_dir if task == "text" else None,
                    architecture=config.model_type, config=arguments,

@@ -75,6 +75,7 @@ def test_the_model_sets_the_task_and_the_flags_set_the_input_shape(models):
     (["--model", "{text}", "--seq-len", "4096"], ["positions for 512 tokens"]),
     (["--model", "{audio}"], ["'whisper' model", "no sequence or image classifier"]),
     (["--model", "{unknown}"], ["transformers cannot build this architecture"]),
+    (["--model", "{flash}"], ["'flash_attention_2'", "sdpa or eager"]),
     (["--seq-len", "16"], ["add --model"]),
     (["--model", "{images}", "--num-labels", "2"], ["has 10 classes"]),
 ])
@@ -83,7 +84,9 @@ def test_a_model_the_scripts_cannot_take_gets_a_message(flags, words, models, tm
     (tmp_path / "empty" / "config.json").unlink()
     folders = dict(models, missing=tmp_path / "nothing-here", empty=tmp_path / "empty",
                    audio=write_config(tmp_path / "audio", model_type="whisper"),
-                   unknown=write_config(tmp_path / "unknown", model_type="no-such-architecture"))
+                   unknown=write_config(tmp_path / "unknown", model_type="no-such-architecture"),
+                   flash=write_config(tmp_path / "flash", model_type="bert",
+                                      attn_implementation="flash_attention_2"))
     status, output = run_command(str(script_path("03")),
                                  *[flag.format(**folders) for flag in flags], "--device", "cpu")
     assert status == 2 and "Traceback" not in output
@@ -105,3 +108,15 @@ def test_a_hub_id_offline_and_not_cached_says_so(tmp_path):
                                  "--estimate", env=env)
     assert status == 1 and "Traceback" not in output
     assert "someone/no-such-model" in output and "not in this machine's Hugging Face cache" in output
+
+
+def test_a_config_that_asks_for_eager_attention_is_estimated_with_it(tmp_path):
+    """BERT's own attention code keeps each layer's attention probabilities for backward, where
+    the fused kernel (sdpa, transformers' default) keeps far less: the estimate follows the ask."""
+    config = dict(model_type="bert", vocab_size=30522, **SMALL)
+    fused, eager = (predict(script_path("01"), ["--model", str(write_config(
+        tmp_path / name, **config, **extra)), "--seq-len", "256", "--device", "cuda"])
+        for name, extra in [("sdpa", {}), ("eager", {"attn_implementation": "eager"})])
+    probabilities = 2 * 32 * 2 * 256 * 256 * 4  # layers x batch x heads x 256 x 256, float32
+    more = eager["breakdown_bytes"]["activations"] - fused["breakdown_bytes"]["activations"]
+    assert more >= probabilities

@@ -175,7 +175,8 @@ def stand_ins(run, world_size):
         # the run's own device (step 06 creates the model on it), or meta (07-09 shard it first)
         # the attention transformers picks by default: sdpa where the architecture has it (on a
         # GPU, the kernel CUDA takes: gpu_choices.py), else its own code (BLOOM's "eager")
-        attention = "sdpa" if model_class(preset)._supports_sdpa else "eager"
+        attention = preset.config.get("attn_implementation") or (  # one its config asks for
+            "sdpa" if model_class(preset)._supports_sdpa else "eager")
         if run.emulate_cuda and attention == "sdpa":
             gpu_choices.register_gpu_attention()
             attention = gpu_choices.GPU_ATTENTION
