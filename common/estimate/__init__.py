@@ -4,6 +4,8 @@
   WORLD_SIZE=4 python 07_fsdp.py --preset article --estimate       # sharded over 4 processes
   python -m common.estimate             # every numbered script at the article preset: one table
   python -m common.estimate --preset tiny --device cpu   # no GPU emulation (see below)
+  python -m common.estimate --model DIR_OR_HUB_ID --seq-len 512 --batch-size 16 --gpu-memory 24GB
+      # any Hugging Face classifier: every step, whether it fits, and the largest batch that does
 
 Each prediction runs the script's own main() for two optimizer steps (a run's peak falls within
 them) on fake tensors, which have shapes but no data, under the script's own MemoryMeter
