@@ -14,7 +14,7 @@ import pytest
 from common.estimate.predict import predict
 from common.packaged import fetch
 from common.presets import MINILM
-from conftest import QUICK, ROOT, run_script, script_path
+from conftest import QUICK, ROOT, load_script, run_script, script_path
 
 NO_EMULATION = ["--device", "cpu"]
 SMALL = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=128)
@@ -79,7 +79,7 @@ def test_the_model_sets_the_task_and_the_flags_set_the_input_shape(models):
     (["--seq-len", "16"], ["add --model"]),
     (["--model", "{images}", "--num-labels", "2"], ["has 10 classes"]),
 ])
-def test_a_model_the_scripts_cannot_take_gets_a_message(flags, words, models, tmp_path):
+def test_a_model_the_scripts_cannot_take_gets_a_message(flags, words, models, tmp_path, capsys):
     write_config(tmp_path / "empty")
     (tmp_path / "empty" / "config.json").unlink()
     folders = dict(models, missing=tmp_path / "nothing-here", empty=tmp_path / "empty",
@@ -87,19 +87,25 @@ def test_a_model_the_scripts_cannot_take_gets_a_message(flags, words, models, tm
                    unknown=write_config(tmp_path / "unknown", model_type="no-such-architecture"),
                    flash=write_config(tmp_path / "flash", model_type="bert",
                                       attn_implementation="flash_attention_2"))
-    status, output = run_command(str(script_path("03")),
-                                 *[flag.format(**folders) for flag in flags], "--device", "cpu")
-    assert status == 2 and "Traceback" not in output
+    with pytest.raises(SystemExit) as stopped:  # argparse's exit: the message, no traceback
+        load_script("03").main([*[flag.format(**folders) for flag in flags], "--device", "cpu"])
+    assert stopped.value.code == 2
+    message = capsys.readouterr().err
     for word in words:
-        assert word in output
+        assert word in message
+
+
+def test_a_bad_model_stops_the_command_line_with_the_message_alone(tmp_path):
+    status, output = run_command(str(script_path("03")), "--model", str(tmp_path / "nothing"))
+    assert status == 2 and "Traceback" not in output and "no such directory" in output
 
 
 def test_text_training_without_a_tokenizer_says_what_the_directory_lacks(tmp_path):
     folder = write_config(tmp_path / "bert", model_type="bert", **SMALL)
-    status, output = run_command(str(script_path("01")), "--model", str(folder), *QUICK,
-                                 "--results-dir", str(tmp_path))
-    assert status == 1 and "Traceback" not in output
-    assert "holds no tokenizer" in output and "--estimate needs only the config" in output
+    with pytest.raises(SystemExit) as stopped:
+        load_script("01").main(["--model", str(folder), *QUICK, "--results-dir", str(tmp_path)])
+    assert "holds no tokenizer" in str(stopped.value.code)
+    assert "--estimate needs only the config" in str(stopped.value.code)
 
 
 def test_a_hub_id_offline_and_not_cached_says_so(tmp_path):
