@@ -129,8 +129,13 @@ def with_model(preset, name_or_dir, seq_len=None, image_size=None, num_labels=No
             raise ModelProblem(f"--seq-len {seq_len}: {name_or_dir} has positions for "
                                f"{longest} tokens at most; ask for {longest} or fewer")
         changes["max_length"] = seq_len or min(preset.max_length, longest or preset.max_length)
-        if config.pad_token_id is None:  # GPT-2, Llama: no padding token; classifiers need one
-            eos = config.eos_token_id
+        if getattr(config, "pad_token_id", None) is None:  # GPT-2, Llama: no padding token, and
+            eos = getattr(config, "eos_token_id", None)  # the classifier needs one: end-of-text
+            if eos is None:
+                raise ModelProblem(
+                    f"--model {name_or_dir}: its config names neither a padding token nor an "
+                    "end-of-text token, and a classifier of padded text needs one to find each "
+                    "sequence's end: add pad_token_id to its config.json")
             arguments["pad_token_id"] = eos[0] if isinstance(eos, list) else eos
     else:
         changes["image_size"] = image_size or getattr(config, "image_size", None) or preset.image_size

@@ -76,6 +76,7 @@ def test_the_model_sets_the_task_and_the_flags_set_the_input_shape(models):
     (["--model", "{audio}"], ["'whisper' model", "no sequence or image classifier"]),
     (["--model", "{unknown}"], ["transformers cannot build this architecture"]),
     (["--model", "{flash}"], ["'flash_attention_2'", "sdpa or eager"]),
+    (["--model", "{no_pad}"], ["neither a padding token nor an end-of-text token"]),
     (["--seq-len", "16"], ["add --model"]),
     (["--model", "{images}", "--num-labels", "2"], ["has 10 classes"]),
 ])
@@ -86,7 +87,8 @@ def test_a_model_the_scripts_cannot_take_gets_a_message(flags, words, models, tm
                    audio=write_config(tmp_path / "audio", model_type="whisper"),
                    unknown=write_config(tmp_path / "unknown", model_type="no-such-architecture"),
                    flash=write_config(tmp_path / "flash", model_type="bert",
-                                      attn_implementation="flash_attention_2"))
+                                      attn_implementation="flash_attention_2"),
+                   no_pad=write_config(tmp_path / "no-pad", model_type="qwen2", **SMALL))
     with pytest.raises(SystemExit) as stopped:  # argparse's exit: the message, no traceback
         load_script("03").main([*[flag.format(**folders) for flag in flags], "--device", "cpu"])
     assert stopped.value.code == 2
@@ -126,3 +128,16 @@ def test_a_config_that_asks_for_eager_attention_is_estimated_with_it(tmp_path):
     probabilities = 2 * 32 * 2 * 256 * 256 * 4  # layers x batch x heads x 256 x 256, float32
     more = eager["breakdown_bytes"]["activations"] - fused["breakdown_bytes"]["activations"]
     assert more >= probabilities
+
+
+def test_grouped_query_attention_is_estimated_with_its_heads_repeated_as_on_a_gpu(tmp_path):
+    """Llama-style models keep fewer key and value heads; with a padding mask transformers
+    repeats them before CUDA's kernel, which the emulation does too."""
+    shape = dict(model_type="llama", vocab_size=30522, hidden_size=64, intermediate_size=128,
+                 num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=128,
+                 pad_token_id=0)
+    grouped, whole = (predict(script_path("01"), ["--model", str(write_config(
+        tmp_path / name, **shape, num_key_value_heads=heads)), "--device", "cuda"])
+        for name, heads in [("grouped", 2), ("whole", 4)])
+    assert grouped["parameter_count"] < whole["parameter_count"]  # fewer key/value weights
+    assert grouped["breakdown_bytes"]["activations"] > 0

@@ -71,6 +71,12 @@ def gpu_attention(module, query, key, value, attention_mask, dropout=0.0, scalin
     takes on CUDA first; on fake tensors they run their shape functions, so autograd keeps
     exactly what the CUDA kernels keep for backward.
     """
+    groups = getattr(module, "num_key_value_groups", 1)
+    if groups > 1:  # grouped-query attention (Llama, Mistral, Qwen2): with a padding mask,
+        # transformers repeats the key and value heads before CUDA's kernel (use_gqa_in_sdpa
+        # passes enable_gqa only without a mask); without one this is an upper bound
+        from transformers.integrations.sdpa_attention import repeat_kv
+        key, value = repeat_kv(key, groups), repeat_kv(value, groups)
     compute_log_sum_exp = torch.is_grad_enabled() and any(
         tensor.requires_grad for tensor in (query, key, value))
     if attention_mask is None and query.dtype in (torch.float16, torch.bfloat16):
