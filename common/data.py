@@ -79,8 +79,8 @@ def cifar10_datasets(name, image_size=224):
 
 
 def tokenizer_for(preset):
-    """The model's own tokenizer: from its package, its directory (--model DIR) or the Hub. One
-    without a padding token (GPT-2's) pads with its end-of-text token, as the model is told."""
+    """The model's own tokenizer: from its package, its directory (--model DIR) or the Hub,
+    padding with the token the model's config names (else, as GPT-2's, its end-of-text)."""
     from transformers import AutoTokenizer
 
     source = preset.tokenizer or preset.model
@@ -98,7 +98,13 @@ def tokenizer_for(preset):
         require_hub(f"the tokenizer of {source}")
         with from_cache_when_offline(f"the tokenizer of {source}"):
             tokenizer = AutoTokenizer.from_pretrained(source)
-    if tokenizer.pad_token is None:
+    # the classifier reads each sequence's last token as the one before its first padding token
+    # (config.pad_token_id): the tokenizer must pad with that very token (Llama-3's config lists
+    # several end-of-text ids, Qwen2.5's tokenizer pads with another token than the config's)
+    pad_id = preset.config.get("pad_token_id")
+    if pad_id is not None and tokenizer.pad_token_id != pad_id:
+        tokenizer.pad_token = tokenizer.convert_ids_to_tokens(pad_id)
+    elif tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
 

@@ -141,3 +141,19 @@ def test_grouped_query_attention_is_estimated_with_its_heads_repeated_as_on_a_gp
         for name, heads in [("grouped", 2), ("whole", 4)])
     assert grouped["parameter_count"] < whole["parameter_count"]  # fewer key/value weights
     assert grouped["breakdown_bytes"]["activations"] > 0
+
+
+def test_the_tokenizer_pads_with_the_token_the_model_is_told_is_padding(models, tmp_path):
+    """Sequence classifiers find each text's last token from config.pad_token_id; a tokenizer
+    that padded with another token would have them classify from padding."""
+    from common.cli import parse_args
+    from common.data import tokenizer_for
+    from common.presets import preset_for
+    folder = tmp_path / "bert"
+    shutil.copytree(models["text"], folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "pad_token_id": 102}))  # [SEP]
+    preset = preset_for(parse_args("", ["--model", str(folder)]))
+    tokenizer = tokenizer_for(preset)
+    assert tokenizer.pad_token_id == preset.config["pad_token_id"] == 102
+    assert tokenizer(["a"], padding="max_length", max_length=6)["input_ids"][0][-1] == 102
