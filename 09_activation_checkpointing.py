@@ -46,6 +46,12 @@ class CheckpointedBlock(torch.nn.Module):  # checkpointing
         # FSDP shards this wrapper, so its backward hook gathers the weights before the rerun.
         return checkpoint(self.block, hidden_states, *args, use_reentrant=False, **kwargs)
 
+    def __getattr__(self, name):  # checkpointing: what the model reads of its blocks
+        try:  # (ModernBERT each block's attention_type) is read through the wrapper
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self.block, name)
+
 
 def train_step(model, optimizer, inputs, labels, device, accum_steps):  # gradient accumulation
     """One optimizer step on one batch; returns the loss."""

@@ -2,6 +2,7 @@
 import argparse
 import importlib.util
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
@@ -35,6 +36,33 @@ def positive_float(text):
     return value
 
 
+def unwritable(directory):
+    """Why a file cannot be written in --results-dir `directory` (created if missing), in words
+    that say what to do, or None: checked before any training, so that a long run never ends
+    unable to write its record."""
+    path = Path(directory)
+    try:
+        if path.exists() and not path.is_dir():
+            raise NotADirectoryError(0, "it is a file, not a directory")
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path, prefix=".writable-", suffix=".tmp"):
+            pass
+    except OSError as error:
+        return (f"--results-dir {directory}: cannot write there ({error.strerror or error}). "
+                "Name a directory this user can write to (it is created if missing)")
+    return None
+
+
+def say_interrupted(error_type, error, trace, previous=sys.excepthook):
+    """Python's last word on an error nothing caught: for Ctrl-C, one line instead of a
+    traceback (the exit status stays that of an interrupted program)."""
+    if issubclass(error_type, KeyboardInterrupt):
+        print("\ninterrupted (Ctrl-C): stopped before the end, so no record was written; earlier "
+              "records in the results directory are as they were", file=sys.stderr)
+        return
+    previous(error_type, error, trace)
+
+
 def parse_args(description, argv=None, accum_steps=None, sharded=False):
     """Parse the shared flags; `accum_steps` (from step 04 on) adds --accum-steps with that
     default, `sharded` (07 on) --reshard-after-forward.
@@ -42,6 +70,7 @@ def parse_args(description, argv=None, accum_steps=None, sharded=False):
     Preset defaults fill --epochs and --batch-size; --lr stays None unless given, so each script
     picks its optimizer's default from the preset.
     """
+    sys.excepthook = say_interrupted
     parser = argparse.ArgumentParser(description=description,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", choices=sorted(PRESETS), default="tiny",
@@ -87,9 +116,9 @@ def parse_args(description, argv=None, accum_steps=None, sharded=False):
     if args.estimate and importlib.util.find_spec("common.estimate") is None:
         parser.error("--estimate needs the estimator, common/estimate/, which this copy of the "
                      "script lacks: copy that folder beside common/ (or run it from the repository)")
-    if Path(args.results_dir).exists() and not Path(args.results_dir).is_dir():
-        parser.error(f"--results-dir {args.results_dir} is a file; name a directory (it is "
-                     "created if missing)")
+    problem = unwritable(args.results_dir)
+    if problem:
+        parser.error(problem)
     preset = PRESETS[args.preset]
     if args.model is not None:
         preset = model_preset(parser, args, argv)
@@ -186,6 +215,15 @@ def compiler_problem(device):
                 "xcode-select --install) or Visual Studio's C++ build tools (Windows: run from "
                 "their developer prompt), or name a compiler in the CXX environment variable")
     return None
+
+
+def processes_for(batch_size, accum_steps, most):
+    """The most processes, at most `most` and halving from it, over which a batch of
+    `batch_size` splits into `accum_steps` equal micro-batches in every process (1 at least)."""
+    processes = most
+    while processes > 1 and batch_size % (processes * accum_steps):
+        processes //= 2
+    return processes
 
 
 def check_batch_split(args, world_size):

@@ -25,9 +25,27 @@ from common.packaged import Packaged, fetch
 
 
 def model_config(preset):
-    """The config of the preset's architecture (its model_type) with the preset's arguments."""
-    return AutoConfig.for_model(preset.architecture, **preset.config,
-                                num_labels=preset.num_classes)
+    """The config of the preset's architecture (its model_type) with the preset's arguments,
+    set for training (no key-value cache)."""
+    return for_training(AutoConfig.for_model(preset.architecture, **preset.config,
+                                             num_labels=preset.num_classes))
+
+
+def for_training(config):
+    """`config` with the key-value cache off, in the architectures that have one (GPT-2, Llama,
+    Mistral, Qwen2, BLOOM: `use_cache`, true in their published configs).
+
+    A decoder's forward reads `use_cache` from its config and, when it is on, builds a
+    DynamicCache and appends each block's keys and values to it. A classifier never generates, so
+    in training the cache is memory for nothing; and recomputing a block in backward
+    (torch.utils.checkpoint, step 09) would append them a second time, doubling the keys the
+    recomputed attention sees. transformers' own gradient_checkpointing_enable turns the cache
+    off at forward for the same reason; these scripts checkpoint with PyTorch, so it is turned
+    off here, where every model is created.
+    """
+    if getattr(config, "use_cache", None) is not None:  # ViT, BERT: no such setting
+        config.use_cache = False
+    return config
 
 
 def model_class(preset):
@@ -66,14 +84,21 @@ def load_pretrained(preset, dtype, device):
         source, where = preset.model, from_cache_when_offline(f"the pretrained model {preset.model}")
     # files are read into host memory, in this thread (so MemTracker sees them), and only
     # the converted weights go to `device` (with its index: cuda:N, not "cuda")
-    with where, torch.device("cpu"), loading_in_this_thread():
-        model, loading = model_class(preset).from_pretrained(
-            source, **preset.config, num_labels=preset.num_classes,  # the preset's settings
-            ignore_mismatched_sizes=True,  # a new head
-            dtype=dtype, device_map=device, output_loading_info=True)
+    try:
+        with where, torch.device("cpu"), loading_in_this_thread():
+            model, loading = model_class(preset).from_pretrained(
+                source, **preset.config, num_labels=preset.num_classes,  # the preset's settings
+                ignore_mismatched_sizes=True,  # a new head
+                dtype=dtype, device_map=device, output_loading_info=True)
+    except Exception as error:  # noqa: BLE001 - a truncated or corrupted file, of any library
+        reason = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+        raise SystemExit(f"error: the weights of {source} could not be read ({reason}). A "
+                         "download may have stopped halfway: fetch the files again, or move the "
+                         "weight files aside to train from newly drawn weights") from None
     new = {name.rpartition(".")[0] for name in [*loading["missing_keys"],
                                                 *(key for key, *_ in loading["mismatched_keys"])]}
     initialise(model, [model.get_submodule(name) for name in sorted(new)])  # the same everywhere
+    for_training(model.config)
     return model
 
 

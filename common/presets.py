@@ -94,11 +94,10 @@ PRESETS = {
         model="bigscience/bloom-560m",
         architecture="bloom",
         # bigscience/bloom-560m's config.json (about 559M parameters, 257M of them the
-        # embeddings); no key-value cache (a classifier never generates)
+        # embeddings)
         config=dict(vocab_size=250880, hidden_size=1024, n_layer=24, n_head=16,
                     layer_norm_epsilon=1e-5, initializer_range=0.02, hidden_dropout=0.0,
-                    attention_dropout=0.0, pad_token_id=3, bos_token_id=1, eos_token_id=2,
-                    use_cache=False),
+                    attention_dropout=0.0, pad_token_id=3, bos_token_id=1, eos_token_id=2),
         # the LLM study's settings; its SGD learning rate (05 on) is not tuned: the study used Adam
         max_length=1024, num_classes=2, batch_size=16, epochs=1, lr=5e-5, sgd_lr=0.01,
     ),

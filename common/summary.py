@@ -1,4 +1,5 @@
 """The end-of-run summary: printed for people, written as JSON for the tour table."""
+import json
 from pathlib import Path
 
 import torch
@@ -101,6 +102,13 @@ def report(args, script, creation, meter, progress, test_accuracy):
     print(f"training time            {train_seconds:.1f} s ({progress.steps} optimizer steps)")
     print(f"test accuracy            {test_accuracy:.2%}")
     path = Path(args.results_dir) / f"{record['script']}.json"
-    write_json_atomically(path, record)
+    try:
+        write_json_atomically(path, record)
+    except OSError as error:  # a disk that filled up, a directory removed during the run
+        print(json.dumps(record, indent=2))  # the run's outcome, not lost: on standard output
+        reason = error.strerror or error
+        raise SystemExit(f"error: the record could not be written to {path} ({reason}); it is "
+                         "printed in full above: save it as that file by hand, or free space and "
+                         "run again")
     print(f"record                   {path}")
     return record

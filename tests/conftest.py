@@ -95,7 +95,22 @@ SHARDED_RUN = ["--epochs", "1", "--max-steps", "3", "--device", "cpu", "--accum-
 WORLD_SIZE = 2
 LAUNCH_TIMEOUT = 150  # seconds for one group of processes; far above a normal run
 PROBED_TEST_TIMEOUT = 2 * LAUNCH_TIMEOUT + 60  # a test may start two runs (08 and 09)
-LOSS_TOLERANCE = dict(rtol=1e-5, atol=1e-6)  # float32; only the order of sums differs
+
+
+def assert_follows(actual, expected, preset_name="tiny", what="losses"):
+    """`actual` (losses, or gradients) computed as `expected` was, in float32, but with its sums
+    in another order (two processes, compiled kernels, another resharding): equal within what
+    rounding of a forward and backward of the preset's model over one batch can produce, scaled
+    by the largest of the compared values (tests/rounding.py)."""
+    from common.model import model_config
+    from common.presets import get_preset
+    from rounding import additions, assert_same_sum
+    preset = get_preset(preset_name)
+    tokens = preset.max_length or (preset.image_size // preset.config["patch_size"]) ** 2 + 1
+    expected, actual = torch.as_tensor(expected), torch.as_tensor(actual)
+    assert actual.shape == expected.shape, what
+    assert_same_sum(actual, expected, expected.abs().max(),
+                    additions(model_config(preset), preset.batch_size * tokens), what=what)
 
 
 def stop(process):

@@ -13,7 +13,7 @@ from common.cli import compiler_problem, parse_args
 from common.compiled_memory import AllocationTracker
 from common.estimate import estimate
 from common.memory import device_snapshot, fold_breakdown
-from conftest import (CPU, LOSS_TOLERANCE, PROBED_TEST_TIMEOUT, QUICK, load_script, run_script,
+from conftest import (CPU, PROBED_TEST_TIMEOUT, assert_follows, QUICK, load_script, run_script,
                       script_path)
 
 # two epochs of tiny (19 steps each) cut short: train, validate, train again, validate, test
@@ -35,8 +35,7 @@ def test_a_compiled_model_follows_the_eager_losses(compiled, quick_records):
     assert graphs >= 1  # it was compiled, not run eagerly
     eager = quick_records["01"]["losses"]  # the same seed, so the same first two batches
     assert len(set(eager)) == 2  # the loss moves, so following it means something
-    torch.testing.assert_close(torch.tensor(record["losses"][:2]), torch.tensor(eager),
-                               **LOSS_TOLERANCE)
+    assert_follows(record["losses"][:2], eager)
 
 
 @pytest.mark.timeout(400)
@@ -160,8 +159,7 @@ def test_two_processes_compiling_each_block_follow_the_eager_loss(probed_runs, u
     assert all(rank["compiled_graphs"] >= 1 for rank in run.ranks)  # compiled, not run eagerly
     sharded = run.record
     assert sharded["world_size"] == 2 and sharded["steps"] == unsharded["steps"] == 3
-    torch.testing.assert_close(torch.tensor(sharded["losses"]),
-                               torch.tensor(unsharded["losses"]), **LOSS_TOLERANCE)
+    assert_follows(sharded["losses"], unsharded["losses"])
     assert len(sharded["rank_peak_memory_bytes"]) == 2 and all(
         peak > 0 for peak in sharded["rank_peak_memory_bytes"])
     assert sum(sharded["breakdown_bytes"].values()) == sharded["peak_memory_bytes"]

@@ -21,7 +21,7 @@ import torch
 from common.evaluate import evaluate
 from common.model import create_model, transformer_blocks
 from common.presets import get_preset
-from conftest import (LOSS_TOLERANCE, PROBED_TEST_TIMEOUT, ROOT, SHARDED_RUN, TEXT, WORLD_SIZE,
+from conftest import (PROBED_TEST_TIMEOUT, assert_follows, ROOT, SHARDED_RUN, TEXT, WORLD_SIZE,
                       load_script, model_state_bytes, one_process_fp32, script_path, stop)
 
 @pytest.mark.timeout(PROBED_TEST_TIMEOUT)
@@ -29,8 +29,7 @@ def test_two_processes_follow_the_loss_of_one_with_the_same_global_batch(probed_
     sharded, single = probed_runs("07").record, unsharded
     assert sharded["world_size"] == 2 and sharded["steps"] == single["steps"] == 3
     assert sharded["batch_size"] == single["batch_size"]
-    torch.testing.assert_close(torch.tensor(sharded["losses"]), torch.tensor(single["losses"]),
-                               **LOSS_TOLERANCE)
+    assert_follows(sharded["losses"], single["losses"])
     assert len(set(single["losses"])) == 3  # the loss moves, so following it means something
     # each process evaluates half of the test set: the counts of both make the accuracy of one
     assert sharded["test_samples"] == single["test_samples"] == 360
@@ -45,8 +44,7 @@ def test_two_processes_follow_one_on_text(probed_runs, small_snippets, tmp_path)
     single = one_process_fp32("06", tmp_path, TEXT)
     assert sharded["preset"] == single["preset"] == "tiny-text"
     assert sharded["world_size"] == 2 and sharded["steps"] == single["steps"] == 2
-    torch.testing.assert_close(torch.tensor(sharded["losses"]), torch.tensor(single["losses"]),
-                               **LOSS_TOLERANCE)
+    assert_follows(sharded["losses"], single["losses"], "tiny-text")
 
 
 @pytest.mark.timeout(PROBED_TEST_TIMEOUT)
@@ -139,8 +137,7 @@ def test_plain_python_runs_as_one_process(unsharded, tmp_path):
     assert not torch.distributed.is_initialized()  # the group of one is gone again
     assert record["world_size"] == 1
     assert record["rank_peak_memory_bytes"] == [record["peak_memory_bytes"]]
-    torch.testing.assert_close(torch.tensor(record["losses"]), torch.tensor(unsharded["losses"]),
-                               **LOSS_TOLERANCE)
+    assert_follows(record["losses"], unsharded["losses"])
 
 
 def watching_model_and_group(name):
@@ -209,8 +206,7 @@ def test_offload_keeps_parameters_gradients_and_optimizer_state_on_cpu(probed_ru
 
 @pytest.mark.timeout(PROBED_TEST_TIMEOUT)
 def test_offload_trains_like_sharding_alone(probed_runs):
-    torch.testing.assert_close(torch.tensor(probed_runs("08").record["losses"]),
-                               torch.tensor(probed_runs("07").record["losses"]), **LOSS_TOLERANCE)
+    assert_follows(probed_runs("08").record["losses"], probed_runs("07").record["losses"])
 
 
 def without_wrapper(gradients):
@@ -304,10 +300,9 @@ def test_keeping_the_gathered_weights_to_backward_trains_alike_and_holds_more(pr
     freed, kept = probed_runs("07"), probed_runs("07", KEEP_GATHERED)
     assert (freed.record["reshard_after_forward"], kept.record["reshard_after_forward"]) == (
         True, False)
-    torch.testing.assert_close(torch.tensor(kept.record["losses"]),
-                               torch.tensor(freed.record["losses"]), **LOSS_TOLERANCE)
+    assert_follows(kept.record["losses"], freed.record["losses"])
     for before, after in zip(freed.gradients, kept.gradients):
-        torch.testing.assert_close(after, before, **LOSS_TOLERANCE)
+        assert_follows(after, before, what="gradients")
     # float32, 4 blocks: freed holds one block's whole weights gathered (two while the next is
     # fetched); kept holds every block's at the end of forward, less its own half of each
     block_bytes = 4 * sum(param.numel() for param in

@@ -11,6 +11,7 @@ import torch
 from common import hub
 from common.model import create_model
 from common.presets import get_preset
+from rounding import additions, assert_same_sum
 from conftest import (QUICK, ROOT, load_script, model_state_bytes, requires_cuda, run_script,
                       script_path)
 
@@ -139,19 +140,116 @@ class GradientCapture:
         self.model.zero_grad(set_to_none=set_to_none)
 
 
-def test_accumulated_gradient_equals_the_whole_batch_gradient():
+def step_gradients(model, inputs, labels, accum_steps):
+    """The gradients 04's train_step (in float32) leaves for the optimizer."""
     script = load_script("04")
     script.DTYPE = torch.float32  # compare in float32, where summation order is the only difference
+    capture = GradientCapture(model)
+    script.train_step(model, capture, inputs, labels, torch.device("cpu"), accum_steps)
+    return capture.gradients
+
+
+class SummedTerms:
+    """While inside, the size of the terms each gradient element sums, for the linear layers and
+    embeddings: a weight's gradient adds, over the batch's samples and tokens, output gradient x
+    input, and a bias's adds the output gradients, so their sizes are |output gradient| x |input|
+    and |output gradient| summed alike; an embedding row adds the output gradients of the
+    positions holding its token (hooks keep them; the parameters' names are the keys).
+
+    The terms, not the result: a key projection's bias has a gradient that is zero in exact
+    arithmetic (attention is blind to a constant added to every key), so its computed gradient
+    is rounding alone, while the terms it sums are not small."""
+
+    def __init__(self, model):
+        self.model, self.sizes, self.hooks = model, {}, []
+
+    def __enter__(self):
+        for name, module in self.model.named_modules():
+            if isinstance(module, torch.nn.Linear):
+                self.hooks.append(module.register_forward_hook(self.keep_input(name)))
+            elif isinstance(module, torch.nn.Embedding):
+                self.hooks.append(module.register_forward_hook(self.keep_tokens(name)))
+        return self
+
+    def keep_tokens(self, name):
+        """An embedding's gradient adds, per token id, the output gradients of its positions."""
+        def hook(module, inputs, output):
+            tokens = inputs[0].detach().flatten()
+
+            def backward(gradient):
+                rows = torch.zeros(module.weight.shape, dtype=torch.float64)
+                self.sizes[f"{name}.weight"] = rows.index_add_(
+                    0, tokens, gradient.detach().abs().double().flatten(0, -2))
+            output.register_hook(backward)
+        return hook
+
+    def keep_input(self, name):
+        def hook(module, inputs, output):
+            size_of_input = inputs[0].detach().abs().double().flatten(0, -2)
+
+            def backward(gradient):
+                size_of_gradient = gradient.detach().abs().double().flatten(0, -2)
+                self.sizes[f"{name}.weight"] = size_of_gradient.T @ size_of_input
+                self.sizes[f"{name}.bias"] = size_of_gradient.sum(dim=0)
+            output.register_hook(backward)
+        return hook
+
+    def __exit__(self, *exc):
+        for hook in self.hooks:
+            hook.remove()
+
+
+def assert_accumulation_adds_up_to_the_whole_batch(model, inputs, labels, accum_steps, tokens):
+    """The gradient of `accum_steps` micro-batches equals the whole batch's, within what float32
+    rounding of sums over the batch's samples and `tokens` tokens each can produce, scaled by the
+    size of the summed terms (tests/rounding.py): for linear layers and embeddings, the terms
+    themselves; for the rest (normalisation, patch embedding), each sample's own contribution.
+    Normwise, as error bounds of matrix products are: every element of a tensor against the
+    largest size in it, since the rounding of earlier layers (a normalisation subtracting its
+    mean, a softmax) reaches each element in proportion to the layer's terms, not to the
+    element, which cancellation can make small."""
+    size = len(labels)
+    with SummedTerms(model) as terms:
+        whole = step_gradients(model, inputs, labels, 1)
+    accumulated = step_gradients(model, inputs, labels, accum_steps)
+    per_sample = [torch.zeros_like(gradient, dtype=torch.float64) for gradient in whole]
+    for sample in range(size):  # each sample's share of the batch's mean loss, in absolute value
+        alone = step_gradients(model, {name: value[sample:sample + 1] for name, value in
+                                       inputs.items()}, labels[sample:sample + 1], 1)
+        for total, gradient in zip(per_sample, alone):
+            total += gradient.abs().double() / size
+    n = additions(model.config, size * tokens)
+    for (name, _), ours, theirs, sample_sizes in zip(model.named_parameters(), accumulated, whole,
+                                                      per_sample, strict=True):
+        assert_same_sum(ours, theirs, terms.sizes.get(name, sample_sizes).max(), n, what=name)
+
+
+@pytest.mark.numerical
+def test_accumulated_gradient_equals_the_whole_batch_gradient():
     torch.manual_seed(0)
-    model = create_model(get_preset("tiny"))
+    preset = get_preset("tiny")
+    model = create_model(preset)
+    patches = (preset.image_size // preset.config["patch_size"]) ** 2
     inputs, labels = batch(16)
-    gradients = {}
-    for accum_steps in (1, 4):
-        capture = GradientCapture(model)
-        script.train_step(model, capture, inputs, labels, torch.device("cpu"), accum_steps)
-        gradients[accum_steps] = capture.gradients
-    for whole, accumulated in zip(gradients[1], gradients[4]):
-        torch.testing.assert_close(accumulated, whole, rtol=1e-5, atol=1e-7)
+    assert_accumulation_adds_up_to_the_whole_batch(model, inputs, labels, 4, tokens=patches + 1)
+
+
+@pytest.mark.numerical
+def test_the_gradient_check_fails_when_a_micro_batch_is_lost(monkeypatch):
+    """The bound is tight enough to see a fault: accumulation that drops the last micro-batch."""
+    import common.data
+    split = common.data.split_batch
+
+    def split_losing_the_last(*args):
+        micro_batches = list(split(*args))
+        return micro_batches[:-1] if len(micro_batches) > 1 else micro_batches
+
+    monkeypatch.setattr(common.data, "split_batch", split_losing_the_last)
+    torch.manual_seed(0)
+    preset = get_preset("tiny")
+    with pytest.raises(AssertionError, match="more than rounding can explain"):
+        assert_accumulation_adds_up_to_the_whole_batch(create_model(preset), *batch(16), 4,
+                                                       tokens=5)
 
 
 def test_accumulation_keeps_the_optimizer_steps_of_one_epoch(tmp_path):

@@ -15,8 +15,8 @@ from common.data import load_data, say_truncated, tokenized, tokenizer_for
 from common.model import create_model
 from common.packaged import PackagedFileError, fetch
 from common.presets import MINILM, get_preset
-from conftest import QUICK, SMALL_SNIPPET_SPLITS, TEXT, load_script, run_script
-from test_steps import GradientCapture
+from conftest import QUICK, SMALL_SNIPPET_SPLITS, TEXT, assert_follows, load_script, run_script
+from test_steps import assert_accumulation_adds_up_to_the_whole_batch
 
 ALL_STEPS = ["01", "02", "03", "04", "05", "06", "07", "08", "09"]
 SNIPPETS = [  # of different lengths, so that a batch of them holds padding
@@ -67,22 +67,18 @@ def padded_batch(preset):
     return inputs, torch.tensor([1, 0, 0, 1])
 
 
+@pytest.mark.numerical
 def test_accumulated_gradient_equals_the_whole_batch_gradient_on_padded_text():
-    script = load_script("04")
-    script.DTYPE = torch.float32  # compare in float32, where summation order is the only difference
+    """4 micro-batches of one snippet each, of different lengths."""
     preset = get_preset("tiny-text")
     torch.manual_seed(0)
     model = create_model(preset)
     inputs, labels = padded_batch(preset)
-    gradients = {}
-    for accum_steps in (1, 4):  # 4 micro-batches of one snippet each, of different lengths
-        capture = GradientCapture(model)
-        script.train_step(model, capture, inputs, labels, torch.device("cpu"), accum_steps)
-        gradients[accum_steps] = capture.gradients
-    for whole, accumulated in zip(gradients[1], gradients[4]):
-        torch.testing.assert_close(accumulated, whole, rtol=1e-4, atol=1e-6)
+    assert_accumulation_adds_up_to_the_whole_batch(model, inputs, labels, 4,
+                                                   tokens=preset.max_length)
 
 
+@pytest.mark.numerical
 def test_padding_does_not_change_what_the_model_predicts():
     """The attention mask keeps padding out: a snippet alone, unpadded, and in a padded batch
     get the same logits."""
@@ -97,7 +93,7 @@ def test_padding_does_not_change_what_the_model_predicts():
                               return_tensors="pt")
             logits = model(input_ids=alone["input_ids"],
                            attention_mask=alone["attention_mask"]).logits
-            torch.testing.assert_close(logits[0], batched[index], rtol=1e-4, atol=1e-5)
+            assert_follows(logits[0], batched[index], "tiny-text", what="logits")
 
 
 def test_a_text_longer_than_the_model_takes_is_truncated_and_said_once(small_snippets, capsys):

@@ -297,7 +297,7 @@ def run_on_fake_tensors(script_path, argv, world_size=1):
         if hasattr(module, name):
             setattr(module, name, stand_in)
     script_argv = [*without_estimate_flag(argv), *QUICK_RUN, "--device", "cpu"]
-    fake_mode = FakeModeReadingZeros(allow_non_fake_inputs=True)
+    fake_mode = FakeModeReadingZeros(allow_non_fake_inputs=True, cuda_batch_norm=emulate_cuda)
     with ExitStack() as stack:
         # torch.compile stands aside: the model runs eagerly, the prediction is the eager run's.
         # Compiled code would escape MemTracker (common/compiled_memory.py says why), and the

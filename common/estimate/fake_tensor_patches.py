@@ -11,20 +11,46 @@ import torch
 from torch._subclasses.fake_tensor import _DISPATCH_META_HANDLERS, FakeTensor, FakeTensorMode
 
 DEVICE_QUERY = torch.ops.prim.device.default
+BATCH_NORM = torch.ops.aten.native_batch_norm.default
+HALF_TYPES = (torch.float16, torch.bfloat16)
 
 
 class FakeModeReadingZeros(FakeTensorMode):
-    """FakeTensorMode in which reading back a value it does not know (`.item()`) gives 0.
+    """FakeTensorMode in which reading back a value it does not know (`.item()`) gives 0, and
+    batch normalisation keeps its statistics in the dtype the real kernel keeps them in.
 
     Values it knows, it gives: scalars made from Python numbers, such as the optimizers' step
     counters, are tracked as constants through the ops on them.
     """
 
+    def __init__(self, *args, cuda_batch_norm=False, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.cuda_batch_norm = cuda_batch_norm  # the GPU emulation: CUDA's kernel's dtypes
+
     def dispatch(self, func, types, args=(), kwargs=None):
         if (func is torch.ops.aten._local_scalar_dense.default
                 and getattr(args[0], "constant", None) is None):
             return torch.zeros((), dtype=args[0].dtype).item()
-        return super().dispatch(func, types, args, kwargs)
+        out = super().dispatch(func, types, args, kwargs)
+        if func is BATCH_NORM:
+            out = self.batch_norm_statistics(args, out)
+        return out
+
+    def batch_norm_statistics(self, args, out):
+        """native_batch_norm's outputs with the saved mean and inverse standard deviation (kept
+        for backward, one per channel) in float32 where the real kernel keeps them so.
+
+        PyTorch's shape function gives them the input's dtype on a CPU. The CPU kernel does so
+        only when the weights share that dtype; a float16 input with float32 weights (a
+        convolution under float16 autocast, step 02) keeps them in float32. CUDA's kernel keeps
+        them in float32 for every half-precision input (its accumulation type).
+        """
+        output, mean, invstd = out
+        weight = args[1]
+        mixed = weight is not None and weight.dtype != args[0].dtype
+        if mean.dtype in HALF_TYPES and (self.cuda_batch_norm or mixed):
+            mean, invstd = mean.to(torch.float32), invstd.to(torch.float32)
+        return output, mean, invstd
 
 
 @contextmanager

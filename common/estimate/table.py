@@ -5,12 +5,14 @@ import multiprocessing
 import os
 import re
 import resource
+import signal
+import sys
 import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 
 import common.estimate
-from common.cli import positive_int
+from common.cli import positive_int, processes_for, say_interrupted, unwritable
 from common.estimate.fit import fit_table, parse_size, search_all
 from common.estimate.predict import GB, Row, attempt, in_units, published_gb, save_records, setting
 from common.estimate.published import STUDY_RESERVED_GB
@@ -43,8 +45,12 @@ def rows_for(script, preset, device, world_size, model_flags=()):
     `model_flags`: --model and the flags that shape it, --batch-size; then only the one row."""
     base = ["--preset", preset, "--device", device, *model_flags]
     distributed = is_distributed(script)
-    rows = [Row(script, base, world_size if distributed else 1)]
     default = (get_preset(preset).batch_size, default_accum_steps(script))
+    if distributed:  # as many of the GPUs as the batch splits over (the setting names them)
+        batch_size = (int(model_flags[model_flags.index("--batch-size") + 1])
+                      if "--batch-size" in model_flags else default[0])
+        world_size = processes_for(batch_size, default[1], world_size)
+    rows = [Row(script, base, world_size if distributed else 1)]
     if preset == "article" and device == "cuda" and not distributed and not model_flags:
         for (name, batch_size, accum_steps) in STUDY_RESERVED_GB:
             if name != script.stem or (batch_size, accum_steps) == default:
@@ -83,8 +89,11 @@ def run_rows(rows, jobs):
     import transformers.models.vit.modeling_vit  # noqa: F401
     gc.freeze()  # the imported objects never become garbage: keep them out of the collector's way
     outcomes = [None] * len(rows)
-    # fork: the workers share the imports; the longest rows start first
-    with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("fork")) as pool:
+    # fork: the workers share the imports; the longest rows start first. Ctrl-C reaches every
+    # process: the workers leave it to this one, which stops them
+    pool = ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("fork"),
+                               initializer=signal.signal, initargs=(signal.SIGINT, signal.SIG_IGN))
+    try:
         pending = {pool.submit(attempt, rows[index]): index for index in
                    sorted(range(len(rows)), key=lambda index: -expected_work(rows[index]))}
         for done, future in enumerate(as_completed(pending)):
@@ -94,6 +103,13 @@ def run_rows(rows, jobs):
             except Exception as error:  # noqa: BLE001 - a worker that died takes only its rows
                 outcome = (None, f"the estimating process stopped: {error}", 0.0)
             outcomes[index] = report_progress(done, rows[index], outcome, len(rows))
+    except KeyboardInterrupt:
+        for worker in list(getattr(pool, "_processes", {}).values()):  # mid-estimate: end them
+            worker.kill()
+        pool.shutdown(wait=False, cancel_futures=True)
+        raise SystemExit(f"\ninterrupted (Ctrl-C) after {sum(map(bool, outcomes))} of "
+                         f"{len(rows)} estimates: no table, and results/estimate.json is as it was")
+    pool.shutdown()
     return outcomes
 
 
@@ -170,6 +186,9 @@ def parse_table_args(argv):
                         help="estimates run at once, one process each (default: 2)")
     parser.add_argument("--results-dir", default="results", help="where estimate.json goes")
     args = parser.parse_args(argv)
+    problem = unwritable(args.results_dir)
+    if problem:
+        parser.error(problem)
     if args.gpu_memory is not None:
         try:
             args.capacity = parse_size(args.gpu_memory)
@@ -204,6 +223,7 @@ def model_flags(args):
 
 def main(argv=None):
     """`python -m common.estimate`: every numbered script, one table; returns the exit status."""
+    sys.excepthook = say_interrupted  # Ctrl-C between estimates: one line, no traceback
     start = time.perf_counter()
     args = parse_table_args(argv)
     scripts, notes = select_scripts(args.scripts)
@@ -212,6 +232,10 @@ def main(argv=None):
     flags = model_flags(args)
     rows = [row for script in scripts
             for row in rows_for(script, args.preset, args.device, args.world_size, flags)]
+    fewer = sorted({row.world_size for row in rows if is_distributed(row.script)} - {args.world_size})
+    if fewer:
+        notes.append(f"the distributed steps run on {fewer[0]} of the {args.world_size} GPUs "
+                     "(--world-size): the batch does not split into equal micro-batches over more")
     outcomes = run_rows(rows, args.jobs)
     records = [record for record, _, _ in outcomes if record]
     print("\n" + table(rows, outcomes))

