@@ -109,6 +109,8 @@ def assert_follows(actual, expected, preset_name="tiny", what="losses"):
     tokens = preset.max_length or (preset.image_size // preset.config["patch_size"]) ** 2 + 1
     expected, actual = torch.as_tensor(expected), torch.as_tensor(actual)
     assert actual.shape == expected.shape, what
+    if expected.numel() == 0:  # a process's empty shard of a small parameter
+        return
     assert_same_sum(actual, expected, expected.abs().max(),
                     additions(model_config(preset), preset.batch_size * tokens), what=what)
 

@@ -301,8 +301,10 @@ def test_keeping_the_gathered_weights_to_backward_trains_alike_and_holds_more(pr
     assert (freed.record["reshard_after_forward"], kept.record["reshard_after_forward"]) == (
         True, False)
     assert_follows(kept.record["losses"], freed.record["losses"])
-    for before, after in zip(freed.gradients, kept.gradients):
-        assert_follows(after, before, what="gradients")
+    for before, after in zip(freed.gradients, kept.gradients):  # each process's, by name
+        assert before.keys() == after.keys()
+        for name in before:
+            assert_follows(after[name], before[name], what=name)
     # float32, 4 blocks: freed holds one block's whole weights gathered (two while the next is
     # fetched); kept holds every block's at the end of forward, less its own half of each
     block_bytes = 4 * sum(param.numel() for param in
