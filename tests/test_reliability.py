@@ -69,12 +69,17 @@ def test_ctrl_c_in_a_run_says_so_in_one_line(tmp_path):
     assert "interrupted (Ctrl-C)" in output and not list(tmp_path.glob("*.json"))
 
 
-def test_ctrl_c_in_the_estimate_table_stops_its_workers_and_says_so(tmp_path):
+@pytest.mark.parametrize("flags, marker, said", [
+    (["--device", "cpu"], "[1/", "estimates: no table"),
+    (["--gpu-memory", "1GB"], "searching the largest", "during the --gpu-memory search"),
+])
+def test_ctrl_c_in_the_estimate_stops_its_workers_and_says_so(tmp_path, flags, marker, said):
     status, output = interrupt_after(
-        [sys.executable, "-m", "common.estimate", "--preset", "tiny", "--device", "cpu",
-         "--results-dir", str(tmp_path)], "[1/")
+        [sys.executable, "-m", "common.estimate", "--preset", "tiny", *flags,
+         "--results-dir", str(tmp_path)], marker)
     assert status != 0 and "Traceback" not in output
-    assert "interrupted (Ctrl-C)" in output and not (tmp_path / "estimate.json").exists()
+    assert "interrupted (Ctrl-C) " in output and said in output
+    assert not (tmp_path / "estimate.json").exists()
 
 
 def test_two_runs_writing_one_results_dir_at_once_leave_a_whole_record(tmp_path):

@@ -290,7 +290,7 @@ def test_on_device_init_never_creates_a_float32_parameter(tmp_path, monkeypatch)
     (["--lr", "-1"], "must be positive"),
     (["--epochs", "two"], "expected a whole number"),
     (["--preset", "huge"], "invalid choice"),
-    (["--results-dir", str(ROOT / "README.md")], "is a file; name a directory"),
+    (["--results-dir", str(ROOT / "README.md")], "it is a file, not a directory"),
 ])
 def test_bad_input_gets_a_message_that_says_why(argv, message, capsys):
     if "cuda" in argv and torch.cuda.is_available():
@@ -333,20 +333,28 @@ def test_batches_are_pinned_only_for_a_cuda_device():
     assert load_data(preset, 64, torch.device("cuda")).train.pin_memory  # built, never iterated
 
 
-@pytest.mark.parametrize("local_rank, visible, restricted, index", [
-    (0, 1, False, 0), (3, 1, True, 0), (1, 2, False, 1), (7, 8, False, 7), (7, 8, True, 7)])
+@pytest.mark.parametrize("local_rank, visible, restricted, torchrun, index", [
+    (0, 1, False, True, 0), (3, 1, True, False, 0), (1, 2, False, True, 1), (7, 8, False, True, 7),
+    (7, 8, True, True, 7),
+    (0, 1, True, True, 0)])  # torchrun's per-process GPU (LOCAL_RANK 0, that GPU alone shown)
 def test_each_process_takes_its_own_gpu_or_the_one_it_is_shown(local_rank, visible, restricted,
-                                                                 index):
+                                                                 torchrun, index):
     from common.distributed import cuda_index
-    assert cuda_index(local_rank, visible, restricted) == index
+    assert cuda_index(local_rank, visible, restricted, torchrun) == index
 
 
-@pytest.mark.parametrize("local_rank, visible, restricted", [(2, 2, False), (1, 1, False)])
-def test_more_processes_than_gpus_stop_with_a_message(local_rank, visible, restricted):
+@pytest.mark.parametrize("local_rank, visible, restricted, torchrun, said", [
+    (2, 2, False, True, "torchrun shows every process"), (1, 1, False, False, "start at most"),
+    # a container or job showing one GPU to torchrun's 2 processes: both would take it
+    (1, 1, True, True, "(CUDA_VISIBLE_DEVICES=0), and torchrun shows every process")])
+def test_more_processes_than_gpus_stop_with_a_message(local_rank, visible, restricted, torchrun,
+                                                      said, monkeypatch):
     from common.distributed import cuda_index
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
     with pytest.raises(SystemExit, match=f"process {local_rank} on this machine has no GPU of "
-                                         f"its own: {visible} visible"):
-        cuda_index(local_rank, visible, restricted)
+                                         f"its own: {visible} visible") as stopped:
+        cuda_index(local_rank, visible, restricted, torchrun)
+    assert said in str(stopped.value)
 
 
 def test_offline_with_nothing_cached_says_what_is_missing_and_how_to_get_it(tmp_path):

@@ -15,7 +15,7 @@ from common.data import load_data, say_truncated, tokenized, tokenizer_for
 from common.model import create_model
 from common.packaged import PackagedFileError, fetch
 from common.presets import MINILM, get_preset
-from conftest import QUICK, SMALL_SNIPPET_SPLITS, TEXT, assert_follows, load_script, run_script
+from conftest import QUICK, SMALL_SNIPPET_SPLITS, TEXT, assert_follows, run_script
 from test_steps import assert_accumulation_adds_up_to_the_whole_batch
 
 ALL_STEPS = ["01", "02", "03", "04", "05", "06", "07", "08", "09"]

@@ -15,14 +15,13 @@ candidate, and estimates confirm it: the candidate fits and the next size does n
 more up to 32, then the next multiple of 8: the sizes GPUs prefer, and fewer estimates). The
 asked batch is estimated as it is (the table's row), so the answer also says whether it fits.
 """
-import gc
-import multiprocessing
 import re
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import as_completed
 from dataclasses import dataclass, field
 
 from common.estimate.fake_run import any_batch_size
 from common.estimate.predict import GB, Row, attempt, in_units
+from common.estimate.workers import worker_pool
 
 UNITS = {"": GB, "b": 1, "kb": 10**3, "mb": 10**6, "gb": GB, "tb": 10**12,
          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "k": 2**10, "m": 2**20,
@@ -140,7 +139,7 @@ def next_candidate(tried, capacity, low, high):
     x0, x1 = (low, high) if high is not None else (below[-2:] if len(below) > 1 else (low, None))
     if x1 is None:
         return min(2 * low, upper)
-    (a0, r0), (a1, _) = tried[x0], tried[x1]
+    (a0, _), (a1, _) = tried[x0], tried[x1]
     slope = (a1 - a0) / (x1 - x0)
     overhead = tried[low][1] - tried[low][0]  # reserved beyond allocated: segments, rounding
     guess = int(x0 + (capacity - overhead - a0) / slope) if slope > 0 else upper
@@ -184,18 +183,35 @@ def search_all(rows, outcomes, capacity, jobs, accumulates):
             fits.append(Fit(script.stem, accumulates(script), problem="its estimate failed"))
             continue
         tasks.append((search_task(row, record, capacity, accumulates(script)), record))
+    started = (f"searching the largest batch that fits in {in_units(capacity)} for {len(tasks)} "
+               f"scripts, up to {MAX_ESTIMATES} estimates each")
     if jobs > 1 and len(tasks) > 1:
-        gc.freeze()
-        with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("fork")) as pool:
-            found = list(pool.map(search, *zip(*(task for task, _ in tasks))))
+        with worker_pool(jobs, lambda: "during the --gpu-memory search: no table of what fits, "
+                         "and results/estimate.json is as it was") as pool:
+            futures = [pool.submit(search, *task) for task, _ in tasks]
+            print(started, flush=True)
+            for done, future in enumerate(as_completed(futures)):
+                report_search(done, future.result(), len(tasks))
+            found = [future.result() for future in futures]
     else:
-        found = [search(*task) for task, _ in tasks]
+        print(started, flush=True)
+        found = [report_search(done, search(*task), len(tasks))
+                 for done, (task, _) in enumerate(tasks)]
     for fit, (_, record) in zip(found, tasks):
         fit.batch_size, fit.world_size = record["batch_size"], record["world_size"]
         fit.asked_reserved = record["reserved_bytes"]
         fits.append(fit)
     order = [script.stem for script in asked]
     return sorted(fits, key=lambda fit: order.index(fit.script))
+
+
+def report_search(done, fit, total):
+    """One line of progress for a script's finished search; returns `fit`."""
+    answer = ("search failed" if fit.problem and fit.largest is None else
+              "not even 1 sample fits" if fit.largest is None else
+              f"{fit.largest}{'+' if fit.capped else ''} samples per GPU fit")
+    print(f"[{done + 1}/{total}] {fit.script}: {answer} ({len(fit.tried)} estimates)", flush=True)
+    return fit
 
 
 def accumulation_for(fit):

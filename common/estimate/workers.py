@@ -1,0 +1,25 @@
+"""Forked worker processes for the estimate table and the --gpu-memory search, which Ctrl-C
+stops as a whole: the workers ignore it, the parent ends them and says how far it got."""
+import gc
+import multiprocessing
+import signal
+from concurrent.futures import ProcessPoolExecutor
+from contextlib import contextmanager
+
+
+@contextmanager
+def worker_pool(jobs, interrupted):
+    """A pool of `jobs` forked workers (they share the parent's imports, which the collector
+    then leaves alone). On Ctrl-C the workers are killed and the run stops with the message
+    `interrupted()` returns (called then, so it can say what was done)."""
+    gc.freeze()  # imported objects never become garbage: keep them out of the collector's way
+    pool = ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("fork"),
+                               initializer=signal.signal, initargs=(signal.SIGINT, signal.SIG_IGN))
+    try:
+        yield pool
+    except KeyboardInterrupt:
+        for worker in list((getattr(pool, "_processes", None) or {}).values()):
+            worker.kill()  # mid-estimate: a worker ignoring Ctrl-C would finish its row first
+        pool.shutdown(wait=False, cancel_futures=True)
+        raise SystemExit(f"\ninterrupted (Ctrl-C) {interrupted()}") from None
+    pool.shutdown()
