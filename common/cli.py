@@ -218,12 +218,10 @@ def compiler_problem(device):
 
 
 def processes_for(batch_size, accum_steps, most):
-    """The most processes, at most `most` and halving from it, over which a batch of
-    `batch_size` splits into `accum_steps` equal micro-batches in every process (1 at least)."""
-    processes = most
-    while processes > 1 and batch_size % (processes * accum_steps):
-        processes //= 2
-    return processes
+    """The most processes, at most `most`, over which a batch of `batch_size` splits into
+    `accum_steps` equal micro-batches in every process (1 at least)."""
+    return max(count for count in range(1, max(most, 1) + 1)
+               if batch_size % (count * accum_steps) == 0 or count == 1)
 
 
 def check_batch_split(args, world_size):

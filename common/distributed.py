@@ -14,20 +14,28 @@ import torch.distributed as dist
 from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 
 
-def cuda_index(local_rank, visible, restricted):
+def cuda_index(local_rank, visible, restricted, torchrun=False):
     """The GPU for the process with this local rank when it sees `visible` GPUs.
 
-    torchrun shows every process all of the machine's GPUs: process N takes GPU N. A launcher
-    that shows each process only its own GPU (`restricted`: CUDA_VISIBLE_DEVICES set for it)
-    leaves one visible: that one. Without such a setting, a second process on a one-GPU
-    machine has no GPU of its own, and is told so rather than colliding in NCCL.
+    torchrun shows every process of a machine the same GPUs (CUDA_VISIBLE_DEVICES, if set, is
+    passed on unchanged): process N takes GPU N, so a machine needs one visible GPU per process
+    (with CUDA_VISIBLE_DEVICES=0 and --nproc_per_node=2 both would take GPU 0, and NCCL would
+    stop on a "Duplicate GPU"). Another launcher that shows each process only its own GPU
+    (`restricted`: CUDA_VISIBLE_DEVICES set for it, as SLURM's --gpus-per-task does) leaves one
+    visible: that one.
     """
-    if visible == 1 and restricted:
+    if visible == 1 and restricted and not torchrun:
         return 0
     if local_rank >= visible:
+        shown = f" (CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')})" if restricted else ""
         raise SystemExit(f"error: process {local_rank} on this machine has no GPU of its own: "
-                         f"{visible} visible; start at most that many processes per machine "
-                         "(torchrun --nproc_per_node), or show each process one GPU")
+                         f"{visible} visible{shown}, and torchrun shows every process of a machine "
+                         "the same GPUs. Start at most that many processes per machine "
+                         "(torchrun --nproc_per_node), make more GPUs visible, or show each "
+                         "process one GPU" if torchrun else
+                         f"error: process {local_rank} on this machine has no GPU of its own: "
+                         f"{visible} visible{shown}; start at most that many processes per "
+                         "machine, or show each process one GPU")
     return local_rank
 
 
@@ -41,7 +49,8 @@ def init_distributed(device):
     if device.type == "cuda":
         device = torch.device("cuda", cuda_index(int(os.environ.get("LOCAL_RANK", 0)),
                                                  torch.cuda.device_count(),
-                                                 "CUDA_VISIBLE_DEVICES" in os.environ))
+                                                 "CUDA_VISIBLE_DEVICES" in os.environ,
+                                                 "TORCHELASTIC_RUN_ID" in os.environ))
         torch.cuda.set_device(device)  # collectives and default allocations go to this GPU
     backend = "nccl" if device.type == "cuda" else "gloo"
     device_id = device if device.type == "cuda" else None  # binds nccl to this GPU at once
@@ -65,11 +74,17 @@ def end_distributed():
     worker threads, and one that then releases a finished collective's tensors aborts the
     process ("terminate called without an active exception") after a run that succeeded.
     Called while an error propagates, it first lets go of the failed run's variables, which
-    the error's traceback would keep until Python shuts down (the traceback still prints).
+    the error's traceback would keep until Python shuts down (the traceback still prints), and
+    on NCCL it aborts the group rather than waiting for its queued work.
     """
     error = sys.exc_info()[1]
     if error is not None:
         traceback.clear_frames(error.__traceback__)
     _clear_sharding_prop_cache()  # this thread's: 07-09 run no DTensor operator in another
-    dist.destroy_process_group()
+    if error is not None and dist.get_backend() == "nccl":
+        # failed, maybe alone: destroying would first wait for the queued collectives, which
+        # the other processes may never join (until torchrun ends the job); aborting does not
+        dist.distributed_c10d._abort_process_group()
+    else:
+        dist.destroy_process_group()
     gc.collect()  # the model's cycle, while Python can still run the group's threads to the end

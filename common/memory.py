@@ -10,6 +10,7 @@ training time. On CUDA the run also reports the caching allocator's own figures 
 run, evaluation included: `torch.cuda.max_memory_allocated` and `max_memory_reserved` (the
 figure the study published); the cache is emptied first, so they count this run alone.
 """
+import gc
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -231,11 +232,21 @@ def every_process(result):
     return results
 
 
+ALLOCATOR_FIGURES = ("cuda_max_allocated_bytes", "cuda_max_reserved_bytes")
+
+
 def highest_over_processes(result):
-    """The result of the process with the highest peak, with every process's peak beside it."""
+    """The result of the process with the highest tracked peak (its breakdown with it), with
+    every process's peak beside it; on CUDA each allocator figure is its own highest over the
+    processes (one process may reserve most while another allocates most), also per process."""
     results = every_process(result)
     highest = max(results, key=lambda each: each["peak_memory_bytes"])
-    return {**highest, "rank_peak_memory_bytes": [each["peak_memory_bytes"] for each in results]}
+    combined = {**highest, "rank_peak_memory_bytes": [each["peak_memory_bytes"] for each in results]}
+    for name in ALLOCATOR_FIGURES:
+        if name in highest:
+            combined[name] = max(each[name] for each in results)
+            combined[f"rank_{name}"] = [each[name] for each in results]
+    return combined
 
 
 @dataclass
@@ -265,6 +276,7 @@ def measure_creation(device):
     allocated before) and MemTracker gives the host's, where steps 01-05 build the float32 model.
     """
     creation = Creation()
+    gc.collect()  # a previous model still in a reference cycle must not be freed in the block
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)

@@ -331,3 +331,58 @@ def test_the_flag_is_07_to_09s_and_takes_true_or_false(script, value, capsys):
         load_script(script).main(["--reshard-after-forward", value, "--estimate"])
     assert stopped.value.code == 2
     assert "--reshard-after-forward" in capsys.readouterr().err
+
+
+def test_each_allocator_figure_is_its_own_highest_over_the_processes(monkeypatch):
+    """On CUDA one process may reserve the most while another allocates the most: each figure
+    of the record is the highest of its kind, and every process's is kept."""
+    import common.memory
+    ranks = [{"peak_memory_bytes": 900, "breakdown_bytes": {"parameters": 900},
+              "cuda_max_allocated_bytes": 1000, "cuda_max_reserved_bytes": 4000},
+             {"peak_memory_bytes": 800, "breakdown_bytes": {"parameters": 800},
+              "cuda_max_allocated_bytes": 1200, "cuda_max_reserved_bytes": 3000}]
+    monkeypatch.setattr(common.memory, "every_process", lambda result: ranks)
+    record = common.memory.highest_over_processes(ranks[0])
+    assert record["peak_memory_bytes"] == 900 and record["breakdown_bytes"] == {"parameters": 900}
+    assert record["cuda_max_allocated_bytes"] == 1200 and record["cuda_max_reserved_bytes"] == 4000
+    assert record["rank_cuda_max_allocated_bytes"] == [1000, 1200]
+    assert record["rank_cuda_max_reserved_bytes"] == [4000, 3000]
+
+
+def test_creation_is_measured_after_earlier_garbage_is_freed():
+    """An earlier model kept by a reference cycle (optimizer, hooks, meter) is freed before the
+    creation window opens, not inside it, where on CUDA it would lower the creation peak."""
+    from common.memory import measure_creation
+
+    class Cycle:
+        pass
+    earlier = Cycle()
+    earlier.self, earlier.weights = earlier, torch.zeros(1000)
+    freed = weakref.ref(earlier)
+    del earlier
+    with measure_creation(torch.device("cpu")):
+        assert freed() is None
+
+
+@pytest.mark.parametrize("backend, failed, ended_by", [
+    ("nccl", True, "abort"), ("nccl", False, "destroy"), ("gloo", True, "destroy")])
+def test_a_failed_nccl_process_aborts_its_group_instead_of_waiting(backend, failed, ended_by,
+                                                                    monkeypatch):
+    """On NCCL a process that failed alone must not wait for collectives the others never join
+    (destroy_process_group waits for queued work); gloo has no abort."""
+    import torch.distributed as dist
+
+    import common.distributed
+    called = []
+    monkeypatch.setattr(dist, "get_backend", lambda *args: backend)
+    monkeypatch.setattr(dist, "destroy_process_group", lambda *args: called.append("destroy"))
+    monkeypatch.setattr(dist.distributed_c10d, "_abort_process_group",
+                        lambda *args: called.append("abort"))
+    if failed:
+        try:
+            raise RuntimeError("a collective's input was wrong")
+        except RuntimeError:
+            common.distributed.end_distributed()
+    else:
+        common.distributed.end_distributed()
+    assert called == [ended_by]

@@ -6,6 +6,7 @@ The main line is 01_*.py to 09_*.py, each its predecessor plus one technique. A 
 parent, and its diff against the parent shows its own technique.
 """
 import importlib.util
+import re
 from pathlib import Path
 
 
@@ -33,3 +34,9 @@ def with_parent(name):
     """The script's name, and for a branch its parent: "05a_adamw_8bit (branch of 04)"."""
     parent = branch_parent(name)
     return f"{Path(name).stem} (branch of {parent})" if parent else Path(name).stem
+
+
+def default_accum_steps(script):
+    """The --accum-steps default a script gives parse_args (1 when it has no such flag)."""
+    found = re.search(r"accum_steps=(\d+)", Path(script).read_text())
+    return int(found.group(1)) if found else 1

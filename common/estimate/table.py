@@ -1,14 +1,10 @@
 """`python -m common.estimate`: every numbered script's prediction in one table."""
 import argparse
-import gc
-import multiprocessing
 import os
-import re
 import resource
-import signal
 import sys
 import time
-from concurrent.futures import ProcessPoolExecutor, as_completed
+from concurrent.futures import as_completed
 from pathlib import Path
 
 import common.estimate
@@ -16,7 +12,8 @@ from common.cli import positive_int, processes_for, say_interrupted, unwritable
 from common.estimate.fit import fit_table, parse_size, search_all
 from common.estimate.predict import GB, Row, attempt, in_units, published_gb, save_records, setting
 from common.estimate.published import STUDY_RESERVED_GB
-from common.estimate.script_import import with_parent
+from common.estimate.script_import import default_accum_steps, with_parent
+from common.estimate.workers import worker_pool
 from common.presets import PRESETS, get_preset
 from common.summary import PER_PARAMETER, PER_PARAMETER_NOTE
 
@@ -32,12 +29,6 @@ def numbered_scripts():
 def is_distributed(script):
     """Steps that join a process group (07 on): they take a world size."""
     return "init_distributed" in script.read_text()
-
-
-def default_accum_steps(script):
-    """The --accum-steps default a script gives parse_args (1 when it has no such flag)."""
-    found = re.search(r"accum_steps=(\d+)", script.read_text())
-    return int(found.group(1)) if found else 1
 
 
 def rows_for(script, preset, device, world_size, model_flags=()):
@@ -87,13 +78,10 @@ def run_rows(rows, jobs):
                 for done, row in enumerate(rows)]
     import common.estimate.fake_run  # noqa: F401 - imported once here, shared by the forked workers
     import transformers.models.vit.modeling_vit  # noqa: F401
-    gc.freeze()  # the imported objects never become garbage: keep them out of the collector's way
     outcomes = [None] * len(rows)
-    # fork: the workers share the imports; the longest rows start first. Ctrl-C reaches every
-    # process: the workers leave it to this one, which stops them
-    pool = ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("fork"),
-                               initializer=signal.signal, initargs=(signal.SIGINT, signal.SIG_IGN))
-    try:
+    # the workers share the imports; the longest rows start first
+    with worker_pool(jobs, lambda: f"after {sum(map(bool, outcomes))} of {len(rows)} estimates: "
+                     "no table, and results/estimate.json is as it was") as pool:
         pending = {pool.submit(attempt, rows[index]): index for index in
                    sorted(range(len(rows)), key=lambda index: -expected_work(rows[index]))}
         for done, future in enumerate(as_completed(pending)):
@@ -103,13 +91,6 @@ def run_rows(rows, jobs):
             except Exception as error:  # noqa: BLE001 - a worker that died takes only its rows
                 outcome = (None, f"the estimating process stopped: {error}", 0.0)
             outcomes[index] = report_progress(done, rows[index], outcome, len(rows))
-    except KeyboardInterrupt:
-        for worker in list(getattr(pool, "_processes", {}).values()):  # mid-estimate: end them
-            worker.kill()
-        pool.shutdown(wait=False, cancel_futures=True)
-        raise SystemExit(f"\ninterrupted (Ctrl-C) after {sum(map(bool, outcomes))} of "
-                         f"{len(rows)} estimates: no table, and results/estimate.json is as it was")
-    pool.shutdown()
     return outcomes
 
 

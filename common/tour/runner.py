@@ -6,8 +6,9 @@
   python -m common.tour --publish docs   # also copy the tables and charts to docs/ for the README
 
 Steps from 07 on shard across processes and run under torchrun: with 2 GPUs or more, one
-process per GPU (at most --nproc); with fewer, 2 processes on the CPU (gloo), since a sharded
-step needs one device per process. The choice is printed and shown in the table.
+process per GPU (at most --nproc, and as many as the preset's batch splits over); with one GPU,
+one process on it for the GPU presets (article, imdb) and 2 CPU processes (gloo) for the CPU
+ones; with none, 2 CPU processes. The choice is printed and shown in the table.
 Each step's output streams as it runs. A step that fails (non-zero exit, or no JSON record) is
 shown as failed in the table with the end of its stderr, and the others still run; the command
 then exits with status 1.
@@ -30,8 +31,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from common.cli import positive_int
-from common.estimate.script_import import step_id
+from common.cli import positive_int, processes_for
+from common.estimate.script_import import default_accum_steps, step_id
 from common.presets import PRESETS
 from common.atomic_write import atomic_path, write_json_atomically
 from common.tour.records import ESTIMATE_FILE, TOUR_FILE, read_json
@@ -43,6 +44,7 @@ SCRIPT_PATTERN = "[0-9][0-9]*_*.py"  # the steps 01-09 and their branches (05a_a
 FIRST_DISTRIBUTED_STEP = 7  # 07_fsdp and after shard the model across processes
 CPU_PROCESSES = 2  # without 2 GPUs the sharded steps run as this many CPU processes
 DEFAULT_PRESET = "tiny"
+GPU_PRESETS = ("article", "imdb")  # sized for a GPU; tiny and tiny-text for a CPU
 ESTIMATED_PRESETS = ("tiny", "article")  # whose tours end with the GPU estimate (article's)
 ESTIMATE_MODULE = "common.estimate"
 STEP_TIMEOUT = 3 * 3600  # seconds; an article-preset step on one GPU takes well under an hour
@@ -90,26 +92,36 @@ class Launch:
     reason: str
 
 
-def sharded_launch(gpu_count, nproc=None, device="auto"):
-    """The processes and device for steps 07 on, on a machine with `gpu_count` visible GPUs.
+def sharded_launch(gpu_count, nproc=None, device="auto", preset=DEFAULT_PRESET, split=(64, 4)):
+    """The processes and device for steps 07 on, on a machine with `gpu_count` visible GPUs,
+    for a preset whose batch is `split` = (batch size, micro-batches per process).
 
-    One process per GPU needs at least 2 GPUs to shard anything; `nproc` caps the count, and it
-    is rounded down to a power of 2, as the presets' batches split evenly only into those.
-    With fewer GPUs, or with --device cpu, 2 CPU processes (gloo) show the same technique.
+    One process per GPU, at most `nproc`, and as many as the batch splits over (each process
+    takes an equal number of equal micro-batches). Without a GPU, or with --device cpu, CPU
+    processes (gloo, 2 by default) show the same technique; so do they with one GPU for the
+    presets sized for a CPU. With one GPU a GPU preset runs its sharded steps as one process on
+    it (a group of one: nothing is split, offload and checkpointing still act), since on the CPU
+    ViT-L or BLOOM-560m would train until the step's time-out.
     """
-    if device == "cpu" or (device == "auto" and gpu_count < 2):
-        why = ("--device cpu" if device == "cpu" else
-               f"{gpu_count} GPU{'s' if gpu_count != 1 else ''} visible; sharding needs one per "
-               "process and at least 2")
-        return Launch(nproc or CPU_PROCESSES, "cpu", f"{why}: {nproc or CPU_PROCESSES} CPU processes")
-    if gpu_count < 2:
-        raise ValueError(f"--device cuda with {gpu_count} GPU(s): the sharded steps need at "
-                         "least 2; use --device auto or cpu")
-    usable = min(gpu_count, nproc) if nproc else gpu_count
-    processes = 1 << (usable.bit_length() - 1)  # a power of 2: every batch splits evenly
-    note = "" if processes == usable else f" (a power of 2 of the {usable} usable, so that batches split evenly)"
-    return Launch(processes, "cuda",
-                  f"{gpu_count} GPUs visible: {processes} processes, one per GPU{note}")
+    batch_size, accum_steps = split
+    if device == "cuda" and gpu_count == 0:
+        raise ValueError("--device cuda with no GPU visible: use --device auto or cpu")
+    gpus = f"{gpu_count} GPU{'s' if gpu_count != 1 else ''} visible"
+    if device == "cpu" or gpu_count == 0 or (gpu_count == 1 and device == "auto"
+                                             and preset not in GPU_PRESETS):
+        why = "--device cpu" if device == "cpu" else f"{gpus}; sharding needs one per process"
+        kind, wanted = "CPU", nproc or CPU_PROCESSES
+    elif gpu_count == 1:
+        return Launch(1, "cuda", f"{gpus}: 1 process on it (a group of one: nothing is split; "
+                                 f"offload and checkpointing still act)")
+    else:
+        why, kind, wanted = gpus, "GPU", min(gpu_count, nproc) if nproc else gpu_count
+    processes = processes_for(batch_size, accum_steps, wanted)
+    fewer = ("" if processes == wanted else f" (of {wanted}: batch {batch_size} in {accum_steps} "
+             f"micro-batches per process splits evenly over at most {processes})")
+    if kind == "CPU":
+        return Launch(processes, "cpu", f"{why}: {processes} CPU processes{fewer}")
+    return Launch(processes, "cuda", f"{why}: {processes} processes, one per GPU{fewer}")
 
 
 def script_step(script, results_dir, passed_flags, launch):
@@ -256,10 +268,10 @@ def parse_args(argv=None, scripts=()):
     parser.add_argument("--epochs", type=positive_int, help="passed to every script")
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
                         help="passed to every script (auto: each script's own choice, and the "
-                             "sharded steps on GPUs only when there are 2 or more)")
+                             "sharded steps on the GPUs, or on 2 CPU processes as said above)")
     parser.add_argument("--nproc", type=positive_int, metavar="N",
                         help="at most this many processes for the sharded steps (default: one per "
-                             f"GPU with 2 GPUs or more, else {CPU_PROCESSES} on the CPU)")
+                             f"GPU, else {CPU_PROCESSES} on the CPU)")
     parser.add_argument("--skip-estimate", action="store_true",
                         help="do not run the GPU estimate (python -m common.estimate)")
     parser.add_argument("--step-timeout", type=positive_int, default=STEP_TIMEOUT, metavar="S",
@@ -278,8 +290,11 @@ def parse_args(argv=None, scripts=()):
                          *(["--epochs", str(args.epochs)] if args.epochs else []),
                          *(["--device", args.device] if args.device != "auto" else [])]
     import torch  # only here: the rest of the tour runs without it
+    sharded = [script for script in args.scripts if int(script.name[:2]) >= FIRST_DISTRIBUTED_STEP]
+    split = (PRESETS[args.preset].batch_size, default_accum_steps(sharded[0]) if sharded else 1)
     try:
-        args.launch = sharded_launch(torch.cuda.device_count(), args.nproc, args.device)
+        args.launch = sharded_launch(torch.cuda.device_count(), args.nproc, args.device,
+                                     args.preset, split)
     except ValueError as error:
         parser.error(str(error))
     return args
@@ -306,8 +321,8 @@ def main(argv=None, scripts_dir=ROOT):
             estimate_outcome = run_step(estimate, staging, f"[{total}/{total}]", args.step_timeout)
         else:
             reason = ("--skip-estimate" if args.skip_estimate
-                      else f"the tour's GPU estimate predicts the image steps (article preset); "
-                           f"for text, python -m common.estimate --preset imdb"
+                      else "the tour's GPU estimate predicts the image steps (article preset); "
+                           "for text, python -m common.estimate --preset imdb"
                       if args.preset not in ESTIMATED_PRESETS
                       else f"this checkout has no {ESTIMATE_MODULE} module")
             estimate_outcome = {"script": "estimate", "status": "skipped", "error": reason}
