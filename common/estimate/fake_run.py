@@ -197,6 +197,12 @@ def stand_ins(run, world_size):
         # host memory; no values to copy (the whole copy on process 0's host is not counted)
         with run.trace.counted_as_host() if offloads_to_host(model) else nullcontext():
             model.to_empty(device=COMPUTE_DEVICE)
+        if run.emulate_cuda:
+            # NCCL broadcasts from the GPU: the real helper stages each whole tensor there in
+            # turn, offloaded or not (on the CPU, process 0 broadcasts its host copy as it is)
+            for tensor in [*model.parameters(), *model.buffers()]:
+                staged = torch.empty(tensor.shape, dtype=tensor.dtype, device=COMPUTE_DEVICE)
+                del staged
 
     class FakeRunMeter(MemoryMeter):
         """The script's meter; its result stays on this rank (all fake ranks are alike)."""

@@ -187,7 +187,8 @@ def estimate_markdown(estimates):
              "the same script and setting (one A100, PyTorch 2.1 nightly). \"creation\" is the "
              "GPU memory allocated while the model is built, per process (05 builds it in "
              "float32 in host memory, so its GPU figure equals 06's; 07-09 build it on the meta "
-             "device and allocate only their shards, offloaded ones in host memory). "
+             "device and allocate only their shards, offloaded ones in host memory, and stage "
+             "each whole parameter on the GPU in turn for its broadcast). "
              + PER_PARAMETER_NOTE + " Here the GPU's bytes: what 08-09 offload is not counted; "
              "\"activations GB\" is the activations' part of the allocated peak.\n",
              estimate_table(estimates)]
