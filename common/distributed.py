@@ -8,10 +8,18 @@ import gc
 import os
 import sys
 import traceback
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+
+# How long a collective may wait for the slowest process. Process 0 alone loads the pretrained
+# weights (on a first run, downloads them: minutes for a large model) while the others wait in
+# the first broadcast; NCCL's default of 10 minutes would end such a job. A process that hangs
+# is then found after an hour rather than ten minutes.
+GROUP_TIMEOUT = timedelta(hours=1)
 
 
 def cuda_index(local_rank, visible, restricted, torchrun=False):
@@ -54,8 +62,8 @@ def init_distributed(device):
         torch.cuda.set_device(device)  # collectives and default allocations go to this GPU
     backend = "nccl" if device.type == "cuda" else "gloo"
     device_id = device if device.type == "cuda" else None  # binds nccl to this GPU at once
-    if launched_by_torchrun:
-        dist.init_process_group(backend, device_id=device_id)  # rendezvous from torchrun's env
+    if launched_by_torchrun:  # rendezvous from torchrun's env
+        dist.init_process_group(backend, device_id=device_id, timeout=GROUP_TIMEOUT)
     else:
         # alone: a group of one whose store lives in this process (no port, no env variables)
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,

@@ -22,6 +22,8 @@ from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 from torch.distributed._tools.mem_tracker import MemTracker
 from torch.distributed.fsdp import FSDPModule
 
+from common.gpu_support import check_bfloat16
+
 TRACKED_STEPS = 2  # optimizer steps taken under the tracker
 MAX_TRACKED_STEPS = 10  # steps tracked at most, while a gradient scaler skips optimizer steps
 
@@ -123,6 +125,7 @@ class MemoryMeter:
         self.tracked_seconds = 0.0
         self.peak_bytes, self.breakdown = 0, dict.fromkeys(BREAKDOWN_KEYS, 0)
         if device.type == "cuda":
+            check_bfloat16(device, model, self.from_allocations)  # V100, T4: emulated bfloat16
             torch.cuda.synchronize(device)  # creation's queued kernels are not training's
             torch.cuda.empty_cache()  # else segments cached during creation count as training's
             torch.cuda.reset_peak_memory_stats(device)

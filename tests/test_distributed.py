@@ -386,3 +386,21 @@ def test_a_failed_nccl_process_aborts_its_group_instead_of_waiting(backend, fail
     else:
         common.distributed.end_distributed()
     assert called == [ended_by]
+
+
+def test_the_group_waits_long_enough_for_process_0_to_load_the_weights(monkeypatch):
+    """Under torchrun the others wait in the first broadcast while process 0 loads (maybe
+    downloads) the model: the group's time-out is longer than NCCL's default 10 minutes."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    import common.distributed
+    asked = {}
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setattr(dist, "init_process_group", lambda *args, **kwargs: asked.update(kwargs))
+    monkeypatch.setattr(dist, "get_rank", lambda: 0)
+    monkeypatch.setattr(dist, "get_world_size", lambda: 1)
+    common.distributed.init_distributed(torch.device("cpu"))
+    assert asked["timeout"] >= timedelta(minutes=30)

@@ -288,11 +288,11 @@ def without_estimate_flag(argv):
     return [arg for arg in argv if arg != "--estimate"]
 
 
-def run_on_fake_tensors(script_path, argv, world_size=1):
+def run_on_fake_tensors(script_path, argv, world_size=1, gpu=gpu_choices.DEFAULT_GPU):
     """Run the script's main(argv) for two optimizer steps on fake tensors; returns a FakeRun.
 
     `argv` are the script's own flags; `world_size` is the number of processes a distributed
-    script would run in (the fake process group's size).
+    script would run in (the fake process group's size); `gpu` the GPU emulated (GPUS' keys).
     """
     emulate_cuda = wants_cuda_emulation(argv)
     run = FakeRun(script=Path(script_path).stem, emulate_cuda=emulate_cuda)
@@ -314,6 +314,7 @@ def run_on_fake_tensors(script_path, argv, world_size=1):
         stack.enter_context(device_meshes_made_for_real())
         stack.enter_context(sharding_propagation_apart())
         stack.enter_context(gpu_choices.cuda_optimizer_defaults() if emulate_cuda else nullcontext())
+        stack.enter_context(gpu_choices.emulating(gpu))
         stack.enter_context(run.trace.recording())
         stack.enter_context(process_group_only_through_init_distributed(Path(script_path).name))
         messages = io.StringIO()

@@ -20,6 +20,7 @@ from concurrent.futures import as_completed
 from dataclasses import dataclass, field
 
 from common.estimate.fake_run import any_batch_size
+from common.estimate.gpu_choices import DEFAULT_GPU
 from common.estimate.predict import GB, Row, attempt, in_units
 from common.estimate.workers import worker_pool
 
@@ -55,16 +56,16 @@ class Fit:
     problem: str | None = None
 
 
-def micro_row(script, base_argv, world_size, micro, accumulates):
+def micro_row(script, base_argv, world_size, micro, accumulates, gpu=DEFAULT_GPU):
     """The row whose run has micro-batches of `micro` samples per process."""
     if accumulates:
         flags = ["--batch-size", str(2 * micro * world_size), "--accum-steps", "2"]
     else:
         flags = ["--batch-size", str(micro * world_size)]
-    return Row(script, [*base_argv, *flags], world_size)
+    return Row(script, [*base_argv, *flags], world_size, gpu)
 
 
-def search(script, base_argv, world_size, capacity, accumulates, known=None):
+def search(script, base_argv, world_size, capacity, accumulates, known=None, gpu=DEFAULT_GPU):
     """The largest micro-batch per process of `script` whose predicted reserved memory is at
     most `capacity` bytes (to the granule: one sample up to 32, then 8), confirmed on fake
     tensors: it fits, and the next size does not.
@@ -75,7 +76,7 @@ def search(script, base_argv, world_size, capacity, accumulates, known=None):
         if micro not in found.tried:
             with any_batch_size():  # a question of memory: the data set's size does not limit it
                 record, problem, _ = attempt(micro_row(script, base_argv, world_size, micro,
-                                                       accumulates))
+                                                       accumulates, gpu))
             if problem:
                 raise RuntimeError(problem)
             found.tried[micro] = (record["allocated_bytes"], record["reserved_bytes"])
@@ -169,7 +170,7 @@ def search_task(row, record, capacity, accumulates):
     as_searched = not accumulates or record["accum_steps"] > 1
     known = {micro: (record["allocated_bytes"], record["reserved_bytes"])} if as_searched else {}
     return (row.script, without_batch_flags(row.argv), row.world_size, capacity, accumulates,
-            known)
+            known, row.gpu)
 
 
 def search_all(rows, outcomes, capacity, jobs, accumulates):

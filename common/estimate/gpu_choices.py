@@ -7,9 +7,13 @@ here, explicitly, as PyTorch 2.13 (the version pinned here) makes it on an A100:
 - Host and device: on a CPU they are one memory; on a GPU, batches and a model built on the
   host take GPU memory only once `.to(device)` copies them. The fake run keeps the host side on
   the meta device (fake_run.py), so those copies happen and are counted.
-- Attention kernel, by dtype: float16/bfloat16 run flash attention, float32 runs the
-  memory-efficient kernel (the first candidates of scaled_dot_product_attention on an A100).
-  For backward both keep their inputs, their output and a float32 log-sum-exp per query row;
+- Attention kernel, by dtype and GPU (`--gpu`, A100 by default): on compute capability 8.0 and
+  later (A100, H100) float16/bfloat16 run flash attention, float32 runs the memory-efficient
+  kernel (the first candidates of scaled_dot_product_attention). Below 8.0 (V100, T4) there is
+  no flash attention, and the memory-efficient kernel takes float16 and float32 only: bfloat16
+  falls to the math path, which keeps the whole attention matrix for backward (sdp_utils.cpp:
+  check_flash_attention_hardware_support, check_dtypes_mem_efficient). For backward flash and
+  memory-efficient keep their inputs, their output and a float32 log-sum-exp per query row;
   the memory-efficient kernel pads the rows to a multiple of 32. The CPU's kernel keeps a
   log-sum-exp of another shape, hence the switch (`gpu_attention`).
 - Attention with a padding mask (text): flash attention takes no mask, so every dtype runs the
@@ -48,8 +52,32 @@ copy, so for these steps the reserved figure leans low.
 """
 import sys
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
+
+
+@dataclass(frozen=True)
+class Gpu:
+    name: str
+    capability: tuple  # CUDA compute capability: what kernels and dtypes run in hardware
+
+
+GPUS = {"a100": Gpu("A100", (8, 0)), "h100": Gpu("H100", (9, 0)),
+        "v100": Gpu("V100", (7, 0)), "t4": Gpu("T4", (7, 5))}
+DEFAULT_GPU = "a100"  # the study's GPU
+chosen = GPUS[DEFAULT_GPU]  # the GPU of the estimate being made (`emulating`)
+
+
+@contextmanager
+def emulating(gpu):
+    """While inside, the kernels chosen are those of GPUS[gpu]."""
+    global chosen
+    before, chosen = chosen, GPUS[gpu]
+    try:
+        yield
+    finally:
+        chosen = before
 
 CUBLAS_WORKSPACE_BYTES = 4096 * 1024 * 2 + 16 * 1024 * 8  # CUBLAS_WORKSPACE_CONFIG ":4096:2:16:8"
 CUBLAS_WORKSPACES = 2                 # forward (main thread) and backward (autograd's thread)
@@ -79,24 +107,31 @@ def gpu_attention(module, query, key, value, attention_mask, dropout=0.0, scalin
         key, value = repeat_kv(key, groups), repeat_kv(value, groups)
     compute_log_sum_exp = torch.is_grad_enabled() and any(
         tensor.requires_grad for tensor in (query, key, value))
-    if attention_mask is None and query.dtype in (torch.float16, torch.bfloat16):
+    ampere = chosen.capability >= (8, 0)
+    if attention_mask is None and query.dtype in (torch.float16, torch.bfloat16) and ampere:
         output = torch.ops.aten._scaled_dot_product_flash_attention(
             query, key, value, dropout, False, False, scale=scaling)[0]
-    else:
+    elif query.dtype in (torch.float16, torch.float32) or ampere:
         bias = None if attention_mask is None else additive_mask(attention_mask, query, key)
         output = torch.ops.aten._scaled_dot_product_efficient_attention(
             query, key, value, bias, compute_log_sum_exp, dropout, False, scale=scaling)[0]
+    else:  # bfloat16 below 8.0: the math path (the mask as sdpa converts it, unpadded)
+        bias = None if attention_mask is None else additive_mask(attention_mask, query, key,
+                                                                  padded=False)
+        output = torch.ops.aten._scaled_dot_product_attention_math(
+            query, key, value, bias, dropout, False, scale=scaling)[0]
     return output.transpose(1, 2).contiguous(), None  # (batch, tokens, heads, head size), as sdpa's
 
 
-def additive_mask(mask, query, key):
+def additive_mask(mask, query, key, padded=True):
     """The bias scaled_dot_product_attention gives the memory-efficient kernel for a boolean mask
     (convert_boolean_attn_mask, then preprocess_mask): 0 where attended, -inf elsewhere, in the
-    query's dtype; padded to a multiple of 8 keys unless already aligned; expanded over heads."""
+    query's dtype; for that kernel (`padded`) padded to a multiple of 8 keys unless already
+    aligned, while the math path takes it as it is; expanded over heads."""
     if mask.dtype == torch.bool:
         minus_infinity = torch.full((), float("-inf"), dtype=query.dtype, device=query.device)
         mask = torch.where(mask, 0.0, minus_infinity)
-    aligned = mask.stride(-1) == 1 and all(
+    aligned = not padded or mask.stride(-1) == 1 and all(
         stride % MEMORY_EFFICIENT_MASK_ALIGNMENT == 0 for stride in mask.stride()[:-1])
     if not aligned:
         keys = mask.shape[-1]

@@ -12,14 +12,15 @@ from pathlib import Path
 from common.atomic_write import write_json_atomically
 from common.estimate.allocation_trace import replay
 from common.estimate.fake_run import EstimateError, run_on_fake_tensors, world_size_from_environment
-from common.estimate.gpu_choices import HOST_CATEGORIES_WHEN_OFFLOADED
+from common.estimate.gpu_choices import DEFAULT_GPU, GPUS, HOST_CATEGORIES_WHEN_OFFLOADED
 from common.estimate.published import published_reserved_gb
 from common.memory import model_state_bytes_per_parameter
 from common.summary import model_state_words, run_words
 
 ESTIMATE_FILE = "estimate.json"
 GB = 10**9  # the study's unit
-RECORD_KEY = ("script", "preset", "model", "reshard_after_forward", "device", "world_size", "batch_size", "accum_steps")
+RECORD_KEY = ("script", "preset", "model", "reshard_after_forward", "device", "gpu", "world_size",
+              "batch_size", "accum_steps")
 
 
 @dataclass
@@ -28,15 +29,17 @@ class Row:
     script: Path
     argv: list
     world_size: int = 1
+    gpu: str = DEFAULT_GPU  # the GPU emulated (without --device cpu): a key of GPUS
 
     @property
     def label(self):
         return f"{self.script.stem} {' '.join(self.argv)}".strip()
 
 
-def predict(script_path, argv, world_size=1):
-    """The estimate record for running `script_path` with its flags `argv`; raises EstimateError."""
-    run = run_on_fake_tensors(script_path, argv, world_size)
+def predict(script_path, argv, world_size=1, gpu=DEFAULT_GPU):
+    """The estimate record for running `script_path` with its flags `argv` (on the GPU `gpu`, a
+    key of GPUS, unless they say --device cpu); raises EstimateError."""
+    run = run_on_fake_tensors(script_path, argv, world_size, gpu)
     if run.emulate_cuda:
         host = HOST_CATEGORIES_WHEN_OFFLOADED if run.offloaded else frozenset()
         peak = replay(run.training_events(), "cpu", emulate_cuda=True, host_categories=host)
@@ -52,6 +55,7 @@ def predict(script_path, argv, world_size=1):
     return {"script": run.script, "preset": run.record["preset"], "model": run.record["model"],
             "reshard_after_forward": run.record["reshard_after_forward"],
             "device": "cuda" if run.emulate_cuda else "cpu",
+            "gpu": GPUS[gpu].name if run.emulate_cuda else None,
             "world_size": run.record["world_size"], "batch_size": run.record["batch_size"],
             "accum_steps": run.record["accum_steps"], "allocated_bytes": allocated,
             "reserved_bytes": reserved, "breakdown_bytes": breakdown, "host_bytes": host_bytes,
@@ -88,7 +92,7 @@ def attempt(row):
     """(record, None) or (None, message): a failure never escapes, so other rows still run."""
     start = time.perf_counter()
     try:
-        record = predict(row.script, row.argv, row.world_size)
+        record = predict(row.script, row.argv, row.world_size, row.gpu)
     except Exception as error:  # noqa: BLE001 - reported as the row's outcome
         if os.environ.get("ESTIMATE_TRACEBACK"):
             traceback.print_exc()
@@ -98,7 +102,8 @@ def attempt(row):
 
 def published_gb(record):
     """The study's figure for this record's setting, when it measured one (one GPU, article)."""
-    if record["preset"] != "article" or record["world_size"] != 1 or record["device"] != "cuda":
+    if (record["preset"] != "article" or record["world_size"] != 1 or record["device"] != "cuda"
+            or record.get("gpu", "A100") != "A100"):  # measured on one A100
         return None
     return published_reserved_gb(record["script"], record["batch_size"], record["accum_steps"])
 
@@ -122,7 +127,7 @@ def setting(record):
 def summary(record):
     """The printed prediction for one run."""
     gpu = record["device"] == "cuda"
-    what = "GPU (emulated)" if gpu else "CPU (no GPU emulation)"
+    what = f"{record.get('gpu') or 'GPU'} (emulated)" if gpu else "CPU (no GPU emulation)"
     lines = [f"\n== {record['script']} estimate  ({run_words(record)}, {setting(record)}, "
              f"{what}) ==",
              f"peak memory allocated  {in_units(record['allocated_bytes'])}"

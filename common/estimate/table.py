@@ -10,6 +10,7 @@ from pathlib import Path
 import common.estimate
 from common.cli import positive_int, processes_for, say_interrupted, unwritable
 from common.estimate.fit import fit_table, parse_size, search_all
+from common.estimate.gpu_choices import DEFAULT_GPU, GPUS
 from common.estimate.predict import GB, Row, attempt, in_units, published_gb, save_records, setting
 from common.estimate.published import STUDY_RESERVED_GB
 from common.estimate.script_import import default_accum_steps, with_parent
@@ -31,9 +32,10 @@ def is_distributed(script):
     return "init_distributed" in script.read_text()
 
 
-def rows_for(script, preset, device, world_size, model_flags=()):
-    """The script's default setting, plus every other setting the study published for it.
-    `model_flags`: --model and the flags that shape it, --batch-size; then only the one row."""
+def rows_for(script, preset, device, world_size, model_flags=(), gpu=DEFAULT_GPU):
+    """The script's default setting, plus every other setting the study published for it (on
+    its A100). `model_flags`: --model and the flags that shape it, --batch-size; then only the
+    one row. `gpu`: the GPU emulated (a key of GPUS)."""
     base = ["--preset", preset, "--device", device, *model_flags]
     distributed = is_distributed(script)
     default = (get_preset(preset).batch_size, default_accum_steps(script))
@@ -41,15 +43,16 @@ def rows_for(script, preset, device, world_size, model_flags=()):
         batch_size = (int(model_flags[model_flags.index("--batch-size") + 1])
                       if "--batch-size" in model_flags else default[0])
         world_size = processes_for(batch_size, default[1], world_size)
-    rows = [Row(script, base, world_size if distributed else 1)]
-    if preset == "article" and device == "cuda" and not distributed and not model_flags:
+    rows = [Row(script, base, world_size if distributed else 1, gpu)]
+    if (preset == "article" and device == "cuda" and gpu == DEFAULT_GPU and not distributed
+            and not model_flags):
         for (name, batch_size, accum_steps) in STUDY_RESERVED_GB:
             if name != script.stem or (batch_size, accum_steps) == default:
                 continue
             flags = ["--batch-size", str(batch_size)]
             if accum_steps != default[1]:
                 flags += ["--accum-steps", str(accum_steps)]
-            rows.append(Row(script, base + flags))
+            rows.append(Row(script, base + flags, gpu=gpu))
     return rows
 
 
@@ -161,6 +164,10 @@ def parse_table_args(argv):
                         help="processes (GPUs) for the distributed steps, 07 on (default: 4)")
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
                         help="cuda: predict a GPU (default); cpu: no emulation, as a CPU run counts")
+    parser.add_argument("--gpu", choices=sorted(GPUS), default=DEFAULT_GPU,
+                        help="the GPU whose kernels are emulated (default: a100, the study's): "
+                             "v100 and t4 have no flash attention and run bfloat16 attention "
+                             "on the math path")
     parser.add_argument("--scripts", nargs="+", metavar="NN",
                         help="only these steps, e.g. --scripts 01 03 (default: all)")
     parser.add_argument("--jobs", type=positive_int, default=min(2, os.cpu_count() or 1),
@@ -177,6 +184,8 @@ def parse_table_args(argv):
             parser.error(str(error))
         if args.device != "cuda":
             parser.error("--gpu-memory asks what fits on a GPU: leave --device cpu out")
+    if args.device == "cpu" and args.gpu != DEFAULT_GPU:
+        parser.error(f"--gpu {args.gpu} names the GPU to emulate: leave --device cpu out")
     return args
 
 
@@ -212,7 +221,7 @@ def main(argv=None):
         raise SystemExit("error: nothing to estimate.\n" + "\n".join(f"  {note}" for note in notes))
     flags = model_flags(args)
     rows = [row for script in scripts
-            for row in rows_for(script, args.preset, args.device, args.world_size, flags)]
+            for row in rows_for(script, args.preset, args.device, args.world_size, flags, args.gpu)]
     fewer = sorted({row.world_size for row in rows if is_distributed(row.script)} - {args.world_size})
     if fewer:
         notes.append(f"the distributed steps run on {fewer[0]} of the {args.world_size} GPUs "

@@ -335,3 +335,41 @@ def test_sharded_creation_holds_a_quarter_per_gpu_and_stages_each_whole_paramete
     offloaded = predict(script_path("08"), ["--preset", "article"], world_size=4)
     assert offloaded["init_allocated_bytes"] == largest
     assert sharded["init_allocated_bytes"] == pytest.approx(2 * sum(sizes) / 4 + largest, rel=0.01)
+
+
+def test_a_gpu_without_flash_attention_keeps_bfloat16_attention_on_the_math_path():
+    """--gpu v100 or t4 (below compute capability 8.0): no flash attention, and no bfloat16 in
+    the memory-efficient kernel, so 03's bfloat16 attention keeps its whole probability matrix
+    (float32, as the math path computes half types) in every layer. float32 (01) takes the
+    memory-efficient kernel on every GPU; float16 (02) flash attention on an A100 and the
+    memory-efficient kernel below 8.0, whose float32 log-sum-exp rows are padded to 32 where
+    flash keeps one per token."""
+    preset = get_preset("tiny")
+    batch = 512
+    tokens = (preset.image_size // preset.config["patch_size"]) ** 2 + 1
+    heads, layers = preset.config["num_attention_heads"], preset.config["num_hidden_layers"]
+    flags = ["--preset", "tiny", "--batch-size", str(batch)]
+    on = {gpu: predict(script_path("03"), flags, gpu=gpu) for gpu in ("a100", "h100", "v100", "t4")}
+    assert [on[gpu]["gpu"] for gpu in on] == ["A100", "H100", "V100", "T4"]
+    assert on["h100"]["allocated_bytes"] == on["a100"]["allocated_bytes"]
+    probabilities = layers * batch * heads * tokens * tokens * 4
+    for gpu in ("v100", "t4"):
+        assert on[gpu]["breakdown_bytes"]["activations"] >= (
+            on["a100"]["breakdown_bytes"]["activations"] + probabilities)
+    float32 = [predict(script_path("01"), flags, gpu=gpu)["allocated_bytes"] for gpu in on]
+    assert len(set(float32)) == 1
+    float16 = {gpu: predict(script_path("02"), flags, gpu=gpu)["allocated_bytes"]
+               for gpu in ("a100", "v100")}
+    padded_rows = layers * batch * heads * (32 - tokens) * 4
+    assert float16["v100"] - float16["a100"] == padded_rows
+
+
+def test_the_table_takes_a_gpu_and_compares_with_the_study_only_on_its_a100(tmp_path, capsys):
+    status = estimate_table(["--preset", "tiny", "--gpu", "t4", "--scripts", "03", "--jobs", "1",
+                             "--results-dir", str(tmp_path)])
+    assert status == 0
+    records = json.loads((tmp_path / "estimate.json").read_text())
+    assert [record["gpu"] for record in records] == ["T4"]
+    with pytest.raises(SystemExit):
+        estimate_table(["--gpu", "t4", "--device", "cpu", "--results-dir", str(tmp_path)])
+    assert "leave --device cpu out" in capsys.readouterr().err
