@@ -6,6 +6,9 @@ of 256 weights, so the optimizer state takes about 2 bytes per parameter where 0
 Adam takes 4 (and float32 Adam 8). Each step dequantizes a tensor's states, updates them in
 float32 and quantizes them back, block by block. Tensors under 4,096 elements (biases, norms)
 keep float32 states. Weight decay 0: the same update as 04's Adam; only its memory differs.
+On a GPU its step is slower than its memory suggests: bitsandbytes 0.50 waits for the GPU after
+each parameter's update (`torch.cuda.synchronize`), so the steps of many small tensors do not
+overlap.
 
   python 05a_adamw_8bit.py                   # tiny preset: offline, about 30 s on a laptop CPU
   python 05a_adamw_8bit.py --preset article  # the study: ViT-L/16 on CIFAR-10 (GPU and network)

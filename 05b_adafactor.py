@@ -6,7 +6,9 @@ no first moment and factors the second: for a matrix of r x c weights, one avera
 one per column (r + c numbers, not r x c), from which it rebuilds each weight's scale. Vectors
 (biases, norms) keep a full average. Its learning rate is relative: a step moves a weight by
 about lr times the weights' root mean square (default 0.01), so the preset's Adam rate does not
-apply.
+apply. On a GPU its step is slow for its size: torch.optim.Adafactor never picks its foreach
+implementation by itself (unlike Adam), and its one-tensor-at-a-time path reads several numbers
+back to the host per parameter (`.item()`), each a wait for the GPU.
 
   python 05b_adafactor.py                   # tiny preset: offline, about 30 s on a laptop CPU
   python 05b_adafactor.py --preset article  # the study: ViT-L/16 on CIFAR-10 (GPU and network)

@@ -22,8 +22,9 @@ here, explicitly, as PyTorch 2.13 (the version pinned here) makes it on an A100:
   (`torch.where`), padded to a multiple of 8 keys when needed; the kernel keeps it for backward.
   Architectures whose attention is their own code (BLOOM's "eager") run the same operators on
   both devices and need no switch.
-- Optimizers: with foreach=None on CUDA tensors, every torch.optim optimizer takes its foreach
-  implementation (on the CPU, the for-loop one). Foreach Adam holds one temporary the size of
+- Optimizers: with foreach=None on CUDA tensors, the torch.optim optimizers that ask
+  `_default_to_fused_or_foreach` (Adam, AdamW, SGD, ...) take their foreach implementation (on
+  the CPU, the for-loop one); Adafactor never asks, and runs its single-tensor path on both. Foreach Adam holds one temporary the size of
   all parameters at once (the square root of the second moment; the June 2023 build the study
   used held two); the for-loop one, one parameter's worth (`cuda_optimizer_defaults`).
 - Allocation rounding: every block is a multiple of 512 bytes (`ALLOCATION_GRANULE`, caching_allocator.py).

@@ -120,6 +120,13 @@ def estimate_note(estimate_outcome):
     return f"GPU memory prediction: failed: {cell(estimate_outcome.get('error') or 'n/a')}\n"
 
 
+SYNCHRONIZING_STEPS = ("05a", "05b")  # their optimizers wait for the GPU once per parameter
+SYNCHRONIZING_NOTE = ("05a and 05b on a GPU: their training times include a wait for the GPU "
+                      "per parameter in every optimizer step (bitsandbytes 0.50 synchronizes "
+                      "after each update; torch.optim.Adafactor reads numbers back with .item()), "
+                      "not a cost of storing less optimizer state.\n")
+
+
 def tour_markdown(rows, tour=None):
     """tour.md: what was measured and how, the table, and the end of each failed step's stderr."""
     tour = tour or {}
@@ -142,6 +149,8 @@ def tour_markdown(rows, tour=None):
         parts.append(f"Sharded steps (07 on): {launch['reason']}.\n")
     parts.append(interval_note(rows))
     parts.append(tour_table(rows) if rows else "No steps ran.\n")
+    if "cuda" in devices and any(row.script[:3] in SYNCHRONIZING_STEPS for row in rows):
+        parts.append(SYNCHRONIZING_NOTE)
     estimate_outcome = tour.get("estimate")
     parts.append(estimate_note(estimate_outcome))
     failures = [(row.script, row.error_lines) for row in rows if row.error_lines]

@@ -375,3 +375,12 @@ def test_error_excerpt_keeps_a_message_of_several_lines():
     error_line, lines = tour.error_excerpt(stderr)
     assert error_line == "common.hub.HubUnavailable: could not fetch the model"
     assert lines[-1] == "  Run offline with the default preset instead:  --preset tiny"
+
+
+@pytest.mark.parametrize("device, said", [("cuda", True), ("cpu", False)])
+def test_the_tour_says_why_05a_and_05b_are_slow_on_a_gpu(device, said):
+    from common.tour.records import StepRow
+    from common.tour.report import SYNCHRONIZING_NOTE, tour_markdown
+    rows = [StepRow(script, preset="article", device=device)
+            for script in ("04_grad_accum", "05a_adamw_8bit", "05b_adafactor")]
+    assert (SYNCHRONIZING_NOTE in tour_markdown(rows)) is said
