@@ -67,3 +67,49 @@ def test_fsdp_on_two_gpus_never_holds_the_whole_model_on_one(tmp_path):
     assert record["world_size"] == 2 and record["device"] == "cuda"
     whole = model_bytes(torch.bfloat16)
     assert all(peak < 0.75 * whole for peak in record["rank_init_peak_memory_bytes"])
+
+
+@requires_cuda
+def test_offload_keeps_pinned_shards_in_host_memory_on_a_gpu(tmp_path):
+    """08 and 09 as one GPU process: FSDP's CPUOffloadPolicy holds the shards in pinned host
+    memory (pinned only when the device is a GPU) and the run trains on the GPU."""
+    for name in ("08", "09"):
+        record, meter = run_script(name, ON_GPU, tmp_path)
+        assert record["device"] == "cuda" and record["steps"] == 2
+        shards = [param.to_local() for param in meter.model.parameters()]
+        assert all(shard.device.type == "cpu" and shard.is_pinned() for shard in shards)
+
+
+@requires_cuda
+def test_a_compiled_run_on_a_gpu_is_counted_from_the_allocators_events(tmp_path):
+    record, _ = run_script("03", [*ON_GPU, "--compile"], tmp_path)
+    assert record["memory_counted_by"] == "allocator events (torch.profiler)"
+    assert 0 < record["peak_memory_bytes"] <= record["cuda_max_allocated_bytes"]
+
+
+@requires_cuda
+def test_8bit_adamw_keeps_one_byte_states_on_the_gpu(tmp_path):
+    record, meter = run_script("05a", ON_GPU, tmp_path)
+    states = [value for state in meter.optimizer.state.values() for value in state.values()
+              if torch.is_tensor(value) and value.numel() > 1]
+    assert states and all(state.is_cuda for state in states)
+    assert any(state.dtype == torch.uint8 for state in states)
+    assert 1.9 < record["breakdown_bytes"]["optimizer_state"] / record["parameter_count"] < 2.2
+
+
+@requires_cuda
+def test_text_trains_on_the_gpu_with_sdpa_and_a_padding_mask(tmp_path, small_snippets):
+    record, meter = run_script("03", ["--preset", "tiny-text", *ON_GPU], tmp_path)
+    assert meter.model.config._attn_implementation == "sdpa"
+    assert record["steps"] == 2 and all(loss == loss for loss in record["losses"])  # not NaN
+
+
+@requires_two_gpus
+def test_shards_filled_over_nccl_hold_the_models_values(tmp_path):
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+               str(ROOT / "tests" / "nccl_fill_probe.py"), str(tmp_path)]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    for rank in range(2):
+        probe = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert probe["local_on_device"] and probe["equal"] and all(probe["equal"].values())
