@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 # --estimate runs main() on fake tensors with stand-ins for these names (no data, no download):
-# keep importing them by name. The list and the reasons: common/estimate/contract.py.
+# keep importing them by name. The list and the reasons: estimate/contract.py.
 from common.cli import parse_args
 from common.data import load_data, to_device
 from common.evaluate import evaluate
@@ -68,8 +68,8 @@ def train(args, device):
 
 def main(argv=None):
     args = parse_args(__doc__, argv)
-    if args.estimate:  # predict instead: this script's main() on fake tensors (common/estimate/)
-        from common.estimate import estimate
+    if args.estimate:  # predict instead: this script's main() on fake tensors (estimate/)
+        from estimate import estimate
         return estimate(__file__, argv)
     return train(args, args.device)
 

@@ -25,7 +25,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 # --estimate runs main() on fake tensors with stand-ins for these names (no data, no download):
-# keep importing them by name. The list and the reasons: common/estimate/contract.py.
+# keep importing them by name. The list and the reasons: estimate/contract.py.
 from common.cli import check_batch_split, parse_args
 from common.data import load_data, split_batch, to_device
 from common.distributed import end_distributed, init_distributed
@@ -106,8 +106,8 @@ def train(args, device):
 
 def main(argv=None):
     args = parse_args(__doc__, argv, accum_steps=4, sharded=True)  # FSDP, gradient accumulation
-    if args.estimate:  # predict instead: this script's main() on fake tensors (common/estimate/)
-        from common.estimate import estimate
+    if args.estimate:  # predict instead: this script's main() on fake tensors (estimate/)
+        from estimate import estimate
         return estimate(__file__, argv)
     rank, world_size, device = init_distributed(args.device)  # FSDP: one process per device
     try:  # FSDP: release the group's connections (NCCL communicators) also on error

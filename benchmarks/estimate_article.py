@@ -2,7 +2,7 @@
 
   python benchmarks/estimate_article.py [--jobs 2] [--results-dir results]
 
-Runs `python -m common.estimate` (article preset, 4 GPUs for the distributed steps) in this
+Runs `python -m estimate` (article preset, 4 GPUs for the distributed steps) in this
 process and prints the numbers its targets are about: wall time (target: under 60 s on 2
 cores), peak resident memory of the estimating processes (under 2 GB), and each prediction
 against the study's published figure (within 10%). It only prints: wall time depends on the
@@ -17,8 +17,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from common.estimate.predict import ESTIMATE_FILE, GB, published_gb
-from common.estimate.table import main as estimate_table, resources_used
+from estimate.predict import ESTIMATE_FILE, GB, published_gb
+from estimate.table import main as estimate_table, resources_used
 
 TARGET_SECONDS, TARGET_RSS_GB, TARGET_RATIO_OFF = 60, 2.0, 0.10
 

@@ -6,7 +6,7 @@ Times, each as the command a user types (a fresh process, imports included):
 
 1. one estimate at batch 16: `python 03_bf16.py --model M --seq-len 512 --batch-size 16
    --estimate` (target: at most 15 s on 2 cores);
-2. the search over every step and branch: `python -m common.estimate --model M --seq-len 512
+2. the search over every step and branch: `python -m estimate --model M --seq-len 512
    --batch-size 16 --gpu-memory 24GB` (target: at most 2 minutes on 2 cores).
 
 The default model is BERT-large (335M parameters; its architecture is in
@@ -46,7 +46,7 @@ def main():
         runs = {
             "estimate": [sys.executable, "03_bf16.py", *shape, "--estimate",
                          "--results-dir", results],
-            "search": [sys.executable, "-m", "common.estimate", *shape,
+            "search": [sys.executable, "-m", "estimate", *shape,
                        "--gpu-memory", args.gpu_memory, "--results-dir", results],
         }
         for name, command in runs.items():

@@ -1,4 +1,4 @@
-"""Benchmark: the README's main command, `python -m common.tour`, end to end.
+"""Benchmark: the README's main command, `python -m tour`, end to end.
 
   python benchmarks/tour_time.py [--results-dir /tmp/tour-benchmark] [-- extra tour flags]
 
@@ -28,18 +28,18 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--results-dir", default="/tmp/tour-benchmark")
-    parser.add_argument("tour_flags", nargs="*", help="passed to python -m common.tour")
+    parser.add_argument("tour_flags", nargs="*", help="passed to python -m tour")
     args = parser.parse_args()
 
     load_before = os.getloadavg()[0]
     start = time.perf_counter()
-    done = subprocess.run([sys.executable, "-m", "common.tour", "--results-dir", args.results_dir,
+    done = subprocess.run([sys.executable, "-m", "tour", "--results-dir", args.results_dir,
                            *args.tour_flags], cwd=ROOT, stdout=subprocess.DEVNULL)
     seconds = time.perf_counter() - start
     results = Path(args.results_dir)
     tour = json.loads((results / "tour.json").read_text())
 
-    print("== benchmark: python -m common.tour ==")
+    print("== benchmark: python -m tour ==")
     for outcome in [*tour["steps"], tour["estimate"]]:
         wall = outcome.get("wall_seconds")
         share = f"{wall:7.1f} s  {wall / seconds:5.1%}" if wall is not None else "    n/a"

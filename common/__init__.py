@@ -1,7 +1,7 @@
 """What the numbered scripts import: one job per module, the same in every script.
 
-cli, presets, data, hub, model, memory, distributed, evaluate, progress, summary and
-atomic_write are all a copied script needs (README: "Copying a script"). Two larger tools live
-in subpackages that no script imports at the top: `common.estimate` (predicts GPU memory on fake
-tensors; loaded only for --estimate) and `common.tour` (runs every step and draws the report).
+A copied script needs itself and this folder, nothing else (README: "Copying a script"). The
+two larger tools are packages of their own beside it: `estimate` (predicts GPU memory on fake
+tensors; a script imports it only under --estimate) and `tour` (runs every step and draws the
+report).
 """

@@ -25,7 +25,7 @@ NOT_ARGUMENTS = ("_name_or_path", "transformers_version", "architectures", "mode
 
 
 # the attention code a config.json may ask for: what the GPU estimate knows how a GPU runs
-# (sdpa: PyTorch's fused kernels, common/estimate/gpu_choices.py; eager: plain operators)
+# (sdpa: PyTorch's fused kernels, estimate/gpu_choices.py; eager: plain operators)
 ATTENTION_EMULATED = ("sdpa", "eager")
 
 

@@ -113,9 +113,9 @@ def parse_args(description, argv=None, accum_steps=None, sharded=False):
                                  "(ZeRO-2's memory): kept from forward to backward, one gather")
     args = parser.parse_args(argv)
 
-    if args.estimate and importlib.util.find_spec("common.estimate") is None:
-        parser.error("--estimate needs the estimator, common/estimate/, which this copy of the "
-                     "script lacks: copy that folder beside common/ (or run it from the repository)")
+    if args.estimate and importlib.util.find_spec("estimate") is None:
+        parser.error("--estimate needs the estimator, the folder estimate/, which this copy of "
+                     "the script lacks: copy it beside common/ (or run it from the repository)")
     problem = unwritable(args.results_dir)
     if problem:
         parser.error(problem)

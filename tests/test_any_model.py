@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from common.estimate.predict import predict
+from estimate.predict import predict
 from common.packaged import fetch
 from common.presets import MINILM
 from conftest import QUICK, ROOT, load_script, run_script, script_path

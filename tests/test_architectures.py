@@ -11,9 +11,9 @@ import sys
 import pytest
 
 from architecture_matrix import ARCHITECTURES, TWO_PROCESSES, model_flags, write_model
-from common.estimate.predict import predict
-from common.estimate.script_import import step_id
-from common.estimate.table import numbered_scripts
+from estimate.predict import predict
+from estimate.script_import import step_id
+from estimate.table import numbered_scripts
 from conftest import QUICK, ROOT, run_script, run_to_end
 
 SCRIPTS = {step_id(script.name): script for script in numbered_scripts()}

@@ -3,7 +3,7 @@ model's gradients; 05a (8-bit AdamW) and 05b (Adafactor) keep the state they pro
 import pytest
 import torch
 
-from common.estimate.script_import import branch_parent, step_id
+from estimate.script_import import branch_parent, step_id
 from conftest import QUICK, assert_follows, load_script, run_script, script_path
 
 

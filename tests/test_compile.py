@@ -11,7 +11,7 @@ from torch._dynamo.utils import counters
 
 from common.cli import compiler_problem, parse_args
 from common.compiled_memory import AllocationTracker
-from common.estimate import estimate
+from estimate import estimate
 from common.memory import device_snapshot, fold_breakdown
 from conftest import (CPU, PROBED_TEST_TIMEOUT, assert_follows, QUICK, load_script, run_script,
                       script_path)

@@ -316,7 +316,7 @@ def test_keeping_the_gathered_weights_to_backward_trains_alike_and_holds_more(pr
 
 
 def test_the_estimate_predicts_the_kept_weights_too():
-    from common.estimate.predict import predict
+    from estimate.predict import predict
     freed, kept = (predict(script_path("07"), ["--preset", "article", "--device", "cuda",
                                                "--reshard-after-forward", value], world_size=4)
                    for value in ("true", "false"))

@@ -15,14 +15,14 @@ import tokenize
 
 import pytest
 
-from common.estimate.script_import import branch_parent
+from estimate.script_import import branch_parent
 from conftest import QUICK, ROOT, script_path
 
 # the tag each step puts on the lines it adds (also listed in the README)
 TAGS = {"02": "mixed precision", "03": "bf16-true", "04": "gradient accumulation",
         "05": "plain SGD", "06": "on-device init", "07": "FSDP", "08": "offload",
         "09": "checkpointing",
-        # branches: an alternative to step NN, from step NN-1 (common/estimate/script_import.py)
+        # branches: an alternative to step NN, from step NN-1 (estimate/script_import.py)
         "04a": "optimizer in backward", "05a": "8-bit AdamW", "05b": "Adafactor"}
 # 03 replaces 02's mixed precision: the lines it gives back to 01 need no tag of their own
 RESTORED_FROM = {"03": "01"}
@@ -137,29 +137,32 @@ def test_the_readme_lists_every_tag():
         assert f"`# {tag}`" in readme, tag
 
 
-def files_a_copy_needs():
-    """The files the README's "Copying a script" section names, and the note on 07-09's extra."""
+COPIED = ["common"]  # what README's "Copying a script" says to copy beside the script
+
+
+def test_the_readme_says_to_copy_the_script_and_common_alone():
     readme = (ROOT / "README.md").read_text()
     section = readme.split("## Copying a script", 1)[1].split("\n## ", 1)[0]
-    block = section.split("```text", 1)[1].split("```", 1)[0]
-    files = {}
-    for line in block.strip().splitlines():
-        path, _, note = line.partition(" ")
-        files[path] = note.strip()
-    return files
+    assert "Copy the script and the folder `common/`" in section
 
 
-def test_the_readme_names_no_estimator_or_tour_file_for_a_copy():
-    files = files_a_copy_needs()
-    assert "common/summary.py" in files and "common/cli.py" in files
-    assert not [path for path in files if path.startswith(("common/estimate", "common/tour"))]
+def test_common_imports_neither_the_estimator_nor_the_tour_at_the_top():
+    """So that a copy of common/ alone runs: the estimator is imported inside functions only."""
+    for path in (ROOT / "common").glob("*.py"):
+        tree = ast.parse(path.read_text())
+        top = [node for node in tree.body if isinstance(node, (ast.Import, ast.ImportFrom))]
+        names = [alias.name for node in top for alias in node.names] + [
+            node.module for node in top if isinstance(node, ast.ImportFrom) and node.module]
+        assert not [name for name in names if name.split(".")[0] in ("estimate", "tour")], path
 
 
-def copy_with(tmp_path, script, files):
+def copy_with(tmp_path, script, folders=COPIED):
     target = tmp_path / "project"
-    for relative in [script_path(script).name, *files]:
-        (target / relative).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(ROOT / relative, target / relative)
+    target.mkdir()
+    shutil.copyfile(script_path(script), target / script_path(script).name)
+    for folder in folders:
+        shutil.copytree(ROOT / folder, target / folder,
+                        ignore=shutil.ignore_patterns("__pycache__"))
     return target
 
 
@@ -170,29 +173,23 @@ def run_copy(target, script, *flags):
 
 
 @pytest.mark.parametrize("script", ["04", "09"])
-def test_a_copied_script_runs_with_only_the_files_the_readme_names(script, tmp_path):
-    files = files_a_copy_needs()
-    if script < "07":  # the README marks what only 07-09 need
-        files = {path: note for path, note in files.items() if "07-09" not in note}
-    target = copy_with(tmp_path, script, files)
+def test_a_copied_script_runs_with_only_common_beside_it(script, tmp_path):
+    target = copy_with(tmp_path, script)
     done = run_copy(target, script, *QUICK, "--device", "cpu", "--results-dir", "results")
     assert done.returncode == 0, done.stderr[-3000:]
     assert (target / "results" / f"{script_path(script).stem}.json").is_file()
-    copied = {path.relative_to(target).as_posix() for path in target.rglob("*.py")}
-    assert not [path for path in copied if path.startswith(("common/estimate", "common/tour"))]
 
 
 def test_a_copy_without_the_estimator_says_what_estimate_needs(tmp_path):
-    target = copy_with(tmp_path, "04", files_a_copy_needs())
+    target = copy_with(tmp_path, "04")
     done = run_copy(target, "04", "--estimate")
     assert done.returncode == 2
-    assert "common/estimate/" in done.stderr and "Traceback" not in done.stderr
+    assert "the folder estimate/" in done.stderr and "Traceback" not in done.stderr
 
 
 def test_a_copy_without_the_compiled_memory_module_says_what_compile_needs(tmp_path):
-    files = {path: note for path, note in files_a_copy_needs().items()
-             if path != "common/compiled_memory.py"}  # should the README list it, for --compile
-    target = copy_with(tmp_path, "04", files)
+    target = copy_with(tmp_path, "04")
+    (target / "common" / "compiled_memory.py").unlink()  # a copy that left it out
     done = run_copy(target, "04", "--compile", "--device", "cpu")
     assert done.returncode == 2
     assert "common/compiled_memory.py" in done.stderr and "Traceback" not in done.stderr

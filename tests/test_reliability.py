@@ -25,7 +25,7 @@ def test_an_unwritable_results_dir_stops_the_run_before_training(where, tmp_path
 
 
 def test_the_estimate_table_checks_its_results_dir_first(tmp_path, capsys):
-    from common.estimate.table import main
+    from estimate.table import main
     with pytest.raises(SystemExit):
         main(["--results-dir", "/proc/no-such-dir"])
     assert "cannot write there" in capsys.readouterr().err
@@ -75,7 +75,7 @@ def test_ctrl_c_in_a_run_says_so_in_one_line(tmp_path):
 ])
 def test_ctrl_c_in_the_estimate_stops_its_workers_and_says_so(tmp_path, flags, marker, said):
     status, output = interrupt_after(
-        [sys.executable, "-m", "common.estimate", "--preset", "tiny", *flags,
+        [sys.executable, "-m", "estimate", "--preset", "tiny", *flags,
          "--results-dir", str(tmp_path)], marker)
     assert status != 0 and "Traceback" not in output
     assert "interrupted (Ctrl-C) " in output and said in output

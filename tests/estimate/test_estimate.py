@@ -10,12 +10,12 @@ import sys
 import pytest
 import torch
 
-from common.estimate.allocation_trace import ALLOC, replay
-from common.estimate.caching_allocator import MEDIUM_SEGMENT, SMALL_SEGMENT, CachingAllocatorModel
-from common.estimate.fake_run import EstimateError, run_on_fake_tensors
-from common.estimate.gpu_choices import CUBLAS_WORKSPACE_BYTES, CUBLAS_WORKSPACES
-from common.estimate.predict import Row, estimate, predict
-from common.estimate.table import main as estimate_table, run_rows, select_scripts
+from estimate.allocation_trace import ALLOC, replay
+from estimate.caching_allocator import MEDIUM_SEGMENT, SMALL_SEGMENT, CachingAllocatorModel
+from estimate.fake_run import EstimateError, run_on_fake_tensors
+from estimate.gpu_choices import CUBLAS_WORKSPACE_BYTES, CUBLAS_WORKSPACES
+from estimate.predict import Row, estimate, predict
+from estimate.table import main as estimate_table, run_rows, select_scripts
 from common.model import model_class, model_config
 from common.presets import get_preset
 from conftest import QUICK, ROOT, TEXT, model_state_bytes, run_script, script_path
@@ -243,7 +243,7 @@ def test_emulation_adds_the_cublas_workspaces():
     (torch.bfloat16, "ScaledDotProductFlashAttentionBackward0", 197)])
 def test_gpu_attention_takes_the_kernel_cuda_takes_for_the_dtype(dtype, kernel, kept_rows):
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from common.estimate.gpu_choices import gpu_attention
+    from estimate.gpu_choices import gpu_attention
     with FakeTensorMode():
         query = torch.empty(2, 197, 4, 32, dtype=dtype).transpose(1, 2).requires_grad_()
         output, _ = gpu_attention(None, query, query, query, None, scaling=0.125)
@@ -259,7 +259,7 @@ def test_gpu_attention_takes_the_kernel_cuda_takes_for_the_dtype(dtype, kernel, 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gpu_attention_with_a_padding_mask_keeps_it_as_a_bias(dtype, keys, kept_keys):
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from common.estimate.gpu_choices import gpu_attention
+    from estimate.gpu_choices import gpu_attention
     with FakeTensorMode():
         query = torch.empty(2, keys, 4, 32, dtype=dtype).transpose(1, 2).requires_grad_()
         padding = torch.ones(2, keys, dtype=torch.bool)  # what transformers' sdpa_mask gives
@@ -274,7 +274,7 @@ def test_gpu_attention_with_a_padding_mask_keeps_it_as_a_bias(dtype, keys, kept_
 
 def test_the_gpu_estimate_of_text_gives_every_layer_the_padding_mask(monkeypatch):
     """A fake mask cannot show transformers that it is all ones (no padding, so no mask)."""
-    from common.estimate import gpu_choices
+    from estimate import gpu_choices
     masks, original = [], gpu_choices.additive_mask
     monkeypatch.setattr(gpu_choices, "additive_mask",
                         lambda mask, *args: masks.append(mask.shape) or original(mask, *args))
@@ -308,7 +308,7 @@ def test_a_broken_contract_stops_the_estimate_naming_the_name(tmp_path, old, new
     broken = edited_copy(tmp_path, "03", old, new)
     with pytest.raises(EstimateError, match=named) as stop:
         predict(broken, [])
-    assert "common/estimate/contract.py" in str(stop.value)
+    assert "estimate/contract.py" in str(stop.value)
 
 
 def test_a_script_that_starts_its_own_process_group_is_refused(tmp_path):

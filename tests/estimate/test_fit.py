@@ -5,8 +5,8 @@ import sys
 
 import pytest
 
-from common.estimate.fit import Fit, accumulation_for, parse_size, search
-from common.estimate.predict import Row, attempt, predict
+from estimate.fit import Fit, accumulation_for, parse_size, search
+from estimate.predict import Row, attempt, predict
 from conftest import ROOT, script_path
 
 SMALL_BERT = dict(model_type="bert", vocab_size=30522, hidden_size=64, num_hidden_layers=2,
@@ -34,7 +34,7 @@ def test_a_size_that_cannot_be_read_is_refused_with_examples(text):
 
 
 def test_an_unreadable_gpu_memory_gets_a_message():
-    done = subprocess.run([sys.executable, "-m", "common.estimate", "--gpu-memory", "big"],
+    done = subprocess.run([sys.executable, "-m", "estimate", "--gpu-memory", "big"],
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and "Traceback" not in done.stderr
     assert "--gpu-memory 'big'" in done.stderr and "24GB" in done.stderr

@@ -1,7 +1,7 @@
 """How the tour starts the sharded steps (07 on), for the GPUs a machine has."""
 import pytest
 
-from common.tour import runner
+from tour import runner
 
 
 @pytest.mark.parametrize("gpus, nproc, preset, split, processes, device", [

@@ -12,10 +12,10 @@ import torch
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 
 from common.memory import BREAKDOWN_KEYS
-from common.tour import runner as tour
-from common.tour.charts import NOT_BROKEN_DOWN, estimate_figure, tour_figure
-from common.tour.records import GB, MIB, load_estimate_rows, load_step_rows, wilson_interval
-from common.tour.report import write_report
+from tour import runner as tour
+from tour.charts import NOT_BROKEN_DOWN, estimate_figure, tour_figure
+from tour.records import GB, MIB, load_estimate_rows, load_step_rows, wilson_interval
+from tour.report import write_report
 from conftest import QUICK, ROOT
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -316,7 +316,7 @@ def test_a_text_tour_passes_its_preset_and_keeps_its_results_apart(tmp_path, mon
     table = (results / "tour.md").read_text()
     assert "Preset tiny-text" in table
     assert "skipped (the tour's GPU estimate predicts the image steps (article preset); for " \
-           "text, python -m common.estimate --preset imdb)" in table
+           "text, python -m estimate --preset imdb)" in table
     assert not (tmp_path / "results" / "01_writes_record.json").exists()
 
 
@@ -342,7 +342,7 @@ def test_tour_rejects_unknown_steps(capsys):
 
 def test_tour_runs_two_real_steps(tmp_path):
     results = tmp_path / "results"
-    command = [sys.executable, "-m", "common.tour", "--steps", "01", "3", *QUICK,
+    command = [sys.executable, "-m", "tour", "--steps", "01", "3", *QUICK,
                "--skip-estimate", "--results-dir", str(results)]
     run = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=150)
     assert run.returncode == 0, run.stderr[-3000:]
@@ -379,8 +379,8 @@ def test_error_excerpt_keeps_a_message_of_several_lines():
 
 @pytest.mark.parametrize("device, said", [("cuda", True), ("cpu", False)])
 def test_the_tour_says_why_05a_and_05b_are_slow_on_a_gpu(device, said):
-    from common.tour.records import StepRow
-    from common.tour.report import SYNCHRONIZING_NOTE, tour_markdown
+    from tour.records import StepRow
+    from tour.report import SYNCHRONIZING_NOTE, tour_markdown
     rows = [StepRow(script, preset="article", device=device)
             for script in ("04_grad_accum", "05a_adamw_8bit", "05b_adafactor")]
     assert (SYNCHRONIZING_NOTE in tour_markdown(rows)) is said

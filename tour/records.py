@@ -1,8 +1,8 @@
 """The numbers a tour leaves behind, read from its JSON files into rows; anything missing is None.
 
 A results directory holds one record per numbered script (written by the script itself), tour.json
-(written by `python -m common.tour`: which steps ran, in what order, and how each ended) and
-estimate.json (written by `python -m common.estimate`). Records from other versions of the scripts
+(written by `python -m tour`: which steps ran, in what order, and how each ended) and
+estimate.json (written by `python -m estimate`). Records from other versions of the scripts
 may lack fields or hold nulls; every reader here turns those into None instead of failing.
 """
 import json
@@ -10,7 +10,7 @@ import math
 from dataclasses import dataclass, field
 
 from common.memory import BREAKDOWN_KEYS
-from common.estimate.published import published_reserved_gb
+from estimate.published import published_reserved_gb
 
 TOUR_FILE = "tour.json"
 ESTIMATE_FILE = "estimate.json"

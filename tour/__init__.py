@@ -1,7 +1,7 @@
 """The tour: every numbered script in turn, the GPU estimate, then one table and two charts.
 
-  python -m common.tour          # runner.py: runs the steps, then report.py writes the report
-  python -m common.tour.report   # rebuilds the tables (report.py) and charts (charts.py) from
+  python -m tour          # runner.py: runs the steps, then report.py writes the report
+  python -m tour.report   # rebuilds the tables (report.py) and charts (charts.py) from
                                  # the JSON records in results/ (records.py reads them)
 
 No numbered script imports this package: it only starts them, each in its own process.

@@ -1,4 +1,4 @@
-"""`python -m common.estimate`: every numbered script's prediction in one table."""
+"""`python -m estimate`: every numbered script's prediction in one table."""
 import argparse
 import os
 import resource
@@ -7,18 +7,18 @@ import time
 from concurrent.futures import as_completed
 from pathlib import Path
 
-import common.estimate
+import estimate
 from common.cli import positive_int, processes_for, say_interrupted, unwritable
-from common.estimate.fit import fit_table, parse_size, search_all
-from common.estimate.gpu_choices import DEFAULT_GPU, GPUS
-from common.estimate.predict import GB, Row, attempt, in_units, published_gb, save_records, setting
-from common.estimate.published import STUDY_RESERVED_GB
-from common.estimate.script_import import default_accum_steps, with_parent
-from common.estimate.workers import worker_pool
+from estimate.fit import fit_table, parse_size, search_all
+from estimate.gpu_choices import DEFAULT_GPU, GPUS
+from estimate.predict import GB, Row, attempt, in_units, published_gb, save_records, setting
+from estimate.published import STUDY_RESERVED_GB
+from estimate.script_import import default_accum_steps, with_parent
+from estimate.workers import worker_pool
 from common.presets import PRESETS, get_preset
 from common.summary import PER_PARAMETER, PER_PARAMETER_NOTE
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 STEPS_PLANNED = 9  # the repository's steps are 01 to 09
 
 
@@ -79,7 +79,7 @@ def run_rows(rows, jobs):
     if jobs <= 1 or len(rows) <= 1:
         return [report_progress(done, rows[done], attempt(row), len(rows))
                 for done, row in enumerate(rows)]
-    import common.estimate.fake_run  # noqa: F401 - imported once here, shared by the forked workers
+    import estimate.fake_run  # noqa: F401 - imported once here, shared by the forked workers
     import transformers.models.vit.modeling_vit  # noqa: F401
     outcomes = [None] * len(rows)
     # the workers share the imports; the longest rows start first
@@ -144,7 +144,7 @@ def resources_used():
 
 def parse_table_args(argv):
     parser = argparse.ArgumentParser(
-        prog="python -m common.estimate", description=common.estimate.__doc__,
+        prog="python -m estimate", description=estimate.__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", choices=sorted(PRESETS),
                         help="default: article (the study's ViT-L/16 setting); with --model, "
@@ -212,7 +212,7 @@ def model_flags(args):
 
 
 def main(argv=None):
-    """`python -m common.estimate`: every numbered script, one table; returns the exit status."""
+    """`python -m estimate`: every numbered script, one table; returns the exit status."""
     sys.excepthook = say_interrupted  # Ctrl-C between estimates: one line, no traceback
     start = time.perf_counter()
     args = parse_table_args(argv)

@@ -10,10 +10,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from common.atomic_write import write_json_atomically
-from common.estimate.allocation_trace import replay
-from common.estimate.fake_run import EstimateError, run_on_fake_tensors, world_size_from_environment
-from common.estimate.gpu_choices import DEFAULT_GPU, GPUS, HOST_CATEGORIES_WHEN_OFFLOADED
-from common.estimate.published import published_reserved_gb
+from estimate.allocation_trace import replay
+from estimate.fake_run import EstimateError, run_on_fake_tensors, world_size_from_environment
+from estimate.gpu_choices import DEFAULT_GPU, GPUS, HOST_CATEGORIES_WHEN_OFFLOADED
+from estimate.published import published_reserved_gb
 from common.memory import model_state_bytes_per_parameter
 from common.summary import model_state_words, run_words
 

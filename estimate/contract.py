@@ -10,7 +10,7 @@ naming the one that is not.
 """
 import importlib
 
-from common.estimate.fake_run import EstimateError
+from estimate.fake_run import EstimateError
 
 # name -> (module it comes from, what --estimate runs instead, and why)
 REQUIRED = {
@@ -51,4 +51,4 @@ def check_contract(module, script_name):
         raise EstimateError(
             f"{script_name} {problem} `{name}`, which --estimate replaces ({stand_in}). "
             f"Import it with `from {home} import {name}` and call it by that name, as the "
-            "numbered scripts do (the contract: common/estimate/contract.py)")
+            "numbered scripts do (the contract: estimate/contract.py)")

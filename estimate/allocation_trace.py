@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 
 from torch.distributed._tools.mem_tracker import MemTracker, _UpdateType
 
-from common.estimate.caching_allocator import CachingAllocatorModel
-from common.estimate.gpu_choices import CUBLAS_WORKSPACE_BYTES, CUBLAS_WORKSPACES
+from estimate.caching_allocator import CachingAllocatorModel
+from estimate.gpu_choices import CUBLAS_WORKSPACE_BYTES, CUBLAS_WORKSPACES
 from common.memory import fold_breakdown
 
 ALLOC, FREE, RESIZE, LABEL = "alloc", "free", "resize", "label"

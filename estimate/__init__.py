@@ -2,18 +2,19 @@
 
   python 03_bf16.py --preset article --batch-size 16 --estimate   # that exact run, on one GPU
   WORLD_SIZE=4 python 07_fsdp.py --preset article --estimate       # sharded over 4 processes
-  python -m common.estimate             # every numbered script at the article preset: one table
-  python -m common.estimate --preset tiny --device cpu   # no GPU emulation (see below)
-  python -m common.estimate --model DIR_OR_HUB_ID --seq-len 512 --batch-size 16 --gpu-memory 24GB
+  python -m estimate             # every numbered script at the article preset: one table
+  python -m estimate --preset tiny --device cpu   # no GPU emulation (see below)
+  python -m estimate --model DIR_OR_HUB_ID --seq-len 512 --batch-size 16 --gpu-memory 24GB
       # any Hugging Face classifier: every step, whether it fits, and the largest batch that does
 
 Each prediction runs the script's own main() for two optimizer steps (a run's peak falls within
 them) on fake tensors, which have shapes but no data, under the script's own MemoryMeter
 (PyTorch's MemTracker; FSDPMemTracker for sharded steps); only the helpers that need data, a
-network or other processes are stood in for (common/fake_run.py). So a change to a script
+network or other processes are stood in for (estimate/fake_run.py). So a change to a script
 changes its prediction. The order in which the run allocated and freed its tensors is then
-replayed through a model of the CUDA caching allocator (common/gpu_model.py, which also lists
-every choice a GPU makes differently from the CPU) to give what `torch.cuda.max_memory_allocated`
+replayed through a model of the CUDA caching allocator (estimate/caching_allocator.py and
+allocation_trace.py; estimate/gpu_choices.py lists every choice a GPU makes differently from
+the CPU) to give what `torch.cuda.max_memory_allocated`
 and `max_memory_reserved` would report, with a breakdown at the allocated peak.
 
 --device cpu switches the GPU emulation off: the CPU's own kernels and optimizer defaults, bytes
@@ -25,6 +26,6 @@ script's own --estimate (1 if unset, as `python 07_fsdp.py` alone), --world-size
 Both write results/estimate.json (--results-dir): one record per script and setting, updated
 in place, so a single script's estimate keeps the others' records.
 """
-from common.estimate.predict import estimate, predict
+from estimate.predict import estimate, predict
 
 __all__ = ["estimate", "predict"]

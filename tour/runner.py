@@ -1,9 +1,9 @@
 """The tour: each numbered script in order on one preset, the GPU estimate, then the report.
 
-  python -m common.tour                  # all steps, then results/tour.md, tour.png, estimate.png
-  python -m common.tour --preset tiny-text   # the same steps on text, into results/tiny-text/
-  python -m common.tour --steps 01 03 --max-steps 2 --epochs 1 --skip-estimate   # a quick look
-  python -m common.tour --publish docs   # also copy the tables and charts to docs/ for the README
+  python -m tour                  # all steps, then results/tour.md, tour.png, estimate.png
+  python -m tour --preset tiny-text   # the same steps on text, into results/tiny-text/
+  python -m tour --steps 01 03 --max-steps 2 --epochs 1 --skip-estimate   # a quick look
+  python -m tour --publish docs   # also copy the tables and charts to docs/ for the README
 
 Steps from 07 on shard across processes and run under torchrun: with 2 GPUs or more, one
 process per GPU (at most --nproc, and as many as the preset's batch splits over); with one GPU,
@@ -32,21 +32,21 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from common.cli import positive_int, processes_for
-from common.estimate.script_import import default_accum_steps, step_id
+from estimate.script_import import default_accum_steps, step_id
 from common.presets import PRESETS
 from common.atomic_write import atomic_path, write_json_atomically
-from common.tour.records import ESTIMATE_FILE, TOUR_FILE, read_json
-from common.tour.report import (ESTIMATE_CHART, ESTIMATE_TABLE, REPORT_FILES, TOUR_CHART,
+from tour.records import ESTIMATE_FILE, TOUR_FILE, read_json
+from tour.report import (ESTIMATE_CHART, ESTIMATE_TABLE, REPORT_FILES, TOUR_CHART,
                                  TOUR_TABLE, write_report)
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 SCRIPT_PATTERN = "[0-9][0-9]*_*.py"  # the steps 01-09 and their branches (05a_adamw_8bit.py)
 FIRST_DISTRIBUTED_STEP = 7  # 07_fsdp and after shard the model across processes
 CPU_PROCESSES = 2  # without 2 GPUs the sharded steps run as this many CPU processes
 DEFAULT_PRESET = "tiny"
 GPU_PRESETS = ("article", "imdb")  # sized for a GPU; tiny and tiny-text for a CPU
 ESTIMATED_PRESETS = ("tiny", "article")  # whose tours end with the GPU estimate (article's)
-ESTIMATE_MODULE = "common.estimate"
+ESTIMATE_MODULE = "estimate"
 STEP_TIMEOUT = 3 * 3600  # seconds; an article-preset step on one GPU takes well under an hour
 ERROR_LINES = 20  # how much of a failed step's stderr the report keeps
 TRACEBACK_START = "Traceback (most recent call last):"
@@ -273,7 +273,7 @@ def parse_args(argv=None, scripts=()):
                         help="at most this many processes for the sharded steps (default: one per "
                              f"GPU, else {CPU_PROCESSES} on the CPU)")
     parser.add_argument("--skip-estimate", action="store_true",
-                        help="do not run the GPU estimate (python -m common.estimate)")
+                        help="do not run the GPU estimate (python -m estimate)")
     parser.add_argument("--step-timeout", type=positive_int, default=STEP_TIMEOUT, metavar="S",
                         help=f"stop a step that runs longer than this (default: {STEP_TIMEOUT} s)")
     parser.add_argument("--publish", type=Path, metavar="DIR",
@@ -322,7 +322,7 @@ def main(argv=None, scripts_dir=ROOT):
         else:
             reason = ("--skip-estimate" if args.skip_estimate
                       else "the tour's GPU estimate predicts the image steps (article preset); "
-                           "for text, python -m common.estimate --preset imdb"
+                           "for text, python -m estimate --preset imdb"
                       if args.preset not in ESTIMATED_PRESETS
                       else f"this checkout has no {ESTIMATE_MODULE} module")
             estimate_outcome = {"script": "estimate", "status": "skipped", "error": reason}

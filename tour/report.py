@@ -1,8 +1,8 @@
 """The tour's report: markdown tables and the two charts, built from a results directory's JSON.
 
-  python -m common.tour.report [results]   # rebuild tour.md, tour.png, estimate.md, estimate.png
+  python -m tour.report [results]   # rebuild tour.md, tour.png, estimate.md, estimate.png
 
-`python -m common.tour` calls this after its steps; run it alone to rebuild the report from records
+`python -m tour` calls this after its steps; run it alone to rebuild the report from records
 already there (for instance after rerunning one script by hand). Every file is written to a
 temporary name and renamed, so a reader never sees half a table or half an image.
 """
@@ -11,12 +11,12 @@ import sys
 from pathlib import Path
 
 from common.atomic_write import write_text_atomically
-from common.estimate.published import STUDY_RESERVED_GB
-from common.estimate.script_import import with_parent
+from estimate.published import STUDY_RESERVED_GB
+from estimate.script_import import with_parent
 from common.memory import BREAKDOWN_KEYS, MODEL_STATE_KEYS
 from common.summary import PER_PARAMETER, PER_PARAMETER_NOTE
-from common.tour.charts import estimate_figure, save_png, tour_figure
-from common.tour.records import (ESTIMATE_FILE, GB, MIB, in_units, load_estimate_rows,
+from tour.charts import estimate_figure, save_png, tour_figure
+from tour.records import (ESTIMATE_FILE, GB, MIB, in_units, load_estimate_rows,
                                   load_step_rows, read_tour, shown)
 
 TOUR_TABLE, TOUR_CHART = "tour.md", "tour.png"
@@ -190,7 +190,7 @@ def unmatched_published(estimates):
 def estimate_markdown(estimates):
     """estimate.md: the predictions, each beside the study's figure for the same setting."""
     parts = ["# Predicted peak GPU memory of training\n",
-             "Predicted on fake tensors by `python -m common.estimate`, without a GPU: allocated "
+             "Predicted on fake tensors by `python -m estimate`, without a GPU: allocated "
              "as `torch.cuda.max_memory_allocated`, reserved as `torch.cuda.max_memory_reserved`; "
              "GB = 10^9 bytes. \"study\" is the 2023 study's published `max_memory_reserved` for "
              "the same script and setting (one A100, PyTorch 2.1 nightly). \"creation\" is the "
@@ -233,7 +233,7 @@ def main(argv=None):
                         help="the directory with the JSON records (default: results)")
     args = parser.parse_args(argv)
     if not Path(args.results_dir).is_dir():
-        parser.error(f"{args.results_dir} is not a directory; run `python -m common.tour` first")
+        parser.error(f"{args.results_dir} is not a directory; run `python -m tour` first")
     print(write_report(args.results_dir))
 
 

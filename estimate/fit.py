@@ -1,4 +1,4 @@
-"""`python -m common.estimate --gpu-memory SIZE`: does each step fit, and with what batch?
+"""`python -m estimate --gpu-memory SIZE`: does each step fit, and with what batch?
 
 For each script the search finds the largest micro-batch per GPU whose predicted
 `max_memory_reserved` fits in SIZE, on fake tensors:
@@ -19,10 +19,10 @@ import re
 from concurrent.futures import as_completed
 from dataclasses import dataclass, field
 
-from common.estimate.fake_run import any_batch_size
-from common.estimate.gpu_choices import DEFAULT_GPU
-from common.estimate.predict import GB, Row, attempt, in_units
-from common.estimate.workers import worker_pool
+from estimate.fake_run import any_batch_size
+from estimate.gpu_choices import DEFAULT_GPU
+from estimate.predict import GB, Row, attempt, in_units
+from estimate.workers import worker_pool
 
 UNITS = {"": GB, "b": 1, "kb": 10**3, "mb": 10**6, "gb": GB, "tb": 10**12,
          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "k": 2**10, "m": 2**20,

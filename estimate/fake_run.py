@@ -27,12 +27,12 @@ import torch
 import torch.distributed as dist
 
 from common.data import IMDB_SPLITS, SNIPPET_SPLITS, Data
-from common.estimate import gpu_choices
-from common.estimate.allocation_trace import AllocationTrace
-from common.estimate.fake_tensor_patches import (FakeModeReadingZeros, device_meshes_made_for_real,
+from estimate import gpu_choices
+from estimate.allocation_trace import AllocationTrace
+from estimate.fake_tensor_patches import (FakeModeReadingZeros, device_meshes_made_for_real,
                                sharding_propagation_apart, swappable_fake_parameters,
                                with_global_peak_only)
-from common.estimate.script_import import import_script
+from estimate.script_import import import_script
 from common.memory import FSDPMemTracker, MemoryMeter, is_sharded, memory_tracker
 from common.memory import measure_creation as real_measure_creation
 from common.model import (classification_head, initialise, model_class, model_config,
@@ -297,7 +297,7 @@ def run_on_fake_tensors(script_path, argv, world_size=1, gpu=gpu_choices.DEFAULT
     emulate_cuda = wants_cuda_emulation(argv)
     run = FakeRun(script=Path(script_path).stem, emulate_cuda=emulate_cuda)
     module = import_script(script_path, prefix="estimated")
-    from common.estimate.contract import check_contract  # it imports EstimateError from here
+    from estimate.contract import check_contract  # it imports EstimateError from here
     check_contract(module, Path(script_path).name)
     for name, stand_in in stand_ins(run, world_size).items():
         if hasattr(module, name):

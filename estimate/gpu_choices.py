@@ -1,6 +1,6 @@
 """What a CUDA GPU does differently from this CPU, written down in one place for the estimate.
 
-The estimate (common/estimate/) runs a script on fake CPU tensors, because autograd on fake
+The estimate (estimate/) runs a script on fake CPU tensors, because autograd on fake
 CUDA tensors aborts a CPU-only build. Where a GPU would take another path, the choice is made
 here, explicitly, as PyTorch 2.13 (the version pinned here) makes it on an A100:
 
