@@ -200,9 +200,8 @@ def stand_ins(run, world_size):
         if run.emulate_cuda:
             # NCCL broadcasts from the GPU: the real helper stages each whole tensor there in
             # turn, offloaded or not (on the CPU, process 0 broadcasts its host copy as it is)
-            for tensor in [*model.parameters(), *model.buffers()]:
-                staged = torch.empty(tensor.shape, dtype=tensor.dtype, device=COMPUTE_DEVICE)
-                del staged
+            for tensor in [*model.parameters(), *model.buffers()]:  # allocated, then freed
+                torch.empty(tensor.shape, dtype=tensor.dtype, device=COMPUTE_DEVICE)
 
     class FakeRunMeter(MemoryMeter):
         """The script's meter; its result stays on this rank (all fake ranks are alike)."""

@@ -5,7 +5,6 @@ import resource
 import sys
 import time
 from concurrent.futures import as_completed
-from pathlib import Path
 
 import estimate
 from common.cli import positive_int, processes_for, say_interrupted, unwritable
@@ -13,23 +12,20 @@ from estimate.fit import fit_table, parse_size, search_all
 from estimate.gpu_choices import DEFAULT_GPU, GPUS
 from estimate.predict import GB, Row, attempt, in_units, published_gb, save_records, setting
 from estimate.published import STUDY_RESERVED_GB
-from estimate.script_import import default_accum_steps, with_parent
 from estimate.workers import worker_pool
 from common.presets import PRESETS, get_preset
 from common.summary import PER_PARAMETER, PER_PARAMETER_NOTE
+from steps import scripts as numbered_scripts, step_id, step_of, with_parent
 
-ROOT = Path(__file__).resolve().parents[1]
-STEPS_PLANNED = 9  # the repository's steps are 01 to 09
-
-
-def numbered_scripts():
-    """The steps 01-09 and their branches (05a_adamw_8bit.py), in order."""
-    return sorted(ROOT.glob("[0-9][0-9]*_*.py"))
 
 
 def is_distributed(script):
     """Steps that join a process group (07 on): they take a world size."""
-    return "init_distributed" in script.read_text()
+    return step_of(script).sharded
+
+
+def default_accum_steps(script):
+    return step_of(script).accum_steps
 
 
 def rows_for(script, preset, device, world_size, model_flags=(), gpu=DEFAULT_GPU):
@@ -58,20 +54,17 @@ def rows_for(script, preset, device, world_size, model_flags=(), gpu=DEFAULT_GPU
 
 def select_scripts(names):
     """The numbered scripts matching `names` (prefixes such as 03), or all; notes for the rest."""
-    scripts, notes = numbered_scripts(), []
-    if names:
-        chosen = []
-        for name in names:
-            matches = [script for script in scripts if script.name.startswith(name)]
-            if not matches:
-                have = ", ".join(script.name[:2] for script in scripts)
-                notes.append(f"{name}: no numbered script starts with {name!r} (have: {have})")
-            chosen += [match for match in matches if match not in chosen]
-        return chosen, notes
-    present = {int(script.name[:2]) for script in scripts}
-    notes += [f"{number:02d}: no script in this checkout yet, skipped"
-              for number in range(1, STEPS_PLANNED + 1) if number not in present]
-    return scripts, notes
+    every, notes = numbered_scripts(), []
+    if not names:
+        return every, notes
+    chosen = []
+    for name in names:
+        matches = [script for script in every if script.name.startswith(name)]
+        if not matches:
+            have = ", ".join(step_id(script) for script in every)
+            notes.append(f"{name}: no numbered script starts with {name!r} (have: {have})")
+        chosen += [match for match in matches if match not in chosen]
+    return chosen, notes
 
 
 def run_rows(rows, jobs):

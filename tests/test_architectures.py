@@ -12,8 +12,7 @@ import pytest
 
 from architecture_matrix import ARCHITECTURES, TWO_PROCESSES, model_flags, write_model
 from estimate.predict import predict
-from estimate.script_import import step_id
-from estimate.table import numbered_scripts
+from steps import scripts as numbered_scripts, step_id
 from conftest import QUICK, ROOT, run_script, run_to_end
 
 SCRIPTS = {step_id(script.name): script for script in numbered_scripts()}

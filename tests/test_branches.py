@@ -3,14 +3,25 @@ model's gradients; 05a (8-bit AdamW) and 05b (Adafactor) keep the state they pro
 import pytest
 import torch
 
-from estimate.script_import import branch_parent, step_id
+from steps import STEPS, step_id, with_parent
 from conftest import QUICK, assert_follows, load_script, run_script, script_path
 
 
-def test_a_branch_names_its_parent_and_a_main_line_step_none():
-    assert [branch_parent(name) for name in ("04a_x.py", "05a_x", "05b_x", "05_sgd_cosine")] == \
-        ["03", "04", "04", None]
+def test_a_branch_starts_from_the_parent_of_its_step():
+    """05a is another choice at step 05: like 05 it starts from 04, and says so in the tables."""
+    for step in STEPS.values():
+        if step.is_branch:
+            main_line = STEPS[step.id[:2]]
+            assert step.parent == main_line.parent and step.sharded == main_line.sharded
     assert step_id(script_path("05a").name) == "05a"
+    assert with_parent("05a_adamw_8bit.py") == "05a_adamw_8bit (branch of 04)"
+    assert with_parent("05_sgd_cosine") == "05_sgd_cosine"
+
+
+def test_every_numbered_script_is_registered_and_every_entry_has_its_script():
+    from conftest import ROOT
+    on_disk = sorted(ROOT.glob("[0-9][0-9]*_*.py"))
+    assert on_disk == sorted(step.path for step in STEPS.values())
 
 
 @pytest.mark.numerical

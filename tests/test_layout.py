@@ -15,15 +15,11 @@ import tokenize
 
 import pytest
 
-from estimate.script_import import branch_parent
+from steps import STEPS
 from conftest import QUICK, ROOT, script_path
 
-# the tag each step puts on the lines it adds (also listed in the README)
-TAGS = {"02": "mixed precision", "03": "bf16-true", "04": "gradient accumulation",
-        "05": "plain SGD", "06": "on-device init", "07": "FSDP", "08": "offload",
-        "09": "checkpointing",
-        # branches: an alternative to step NN, from step NN-1 (estimate/script_import.py)
-        "04a": "optimizer in backward", "05a": "8-bit AdamW", "05b": "Adafactor"}
+# the tag each step puts on the lines it adds (steps.py; also listed in the README)
+TAGS = {step.id: step.tag for step in STEPS.values() if step.tag}
 # 03 replaces 02's mixed precision: the lines it gives back to 01 need no tag of their own
 RESTORED_FROM = {"03": "01"}
 
@@ -105,8 +101,7 @@ def dropped_tags(before, after, step):
     return lost
 
 
-STEP_PAIRS = [(f"{n:02d}", f"{n + 1:02d}") for n in range(1, 9)] + [
-    (branch_parent(step), step) for step in TAGS if branch_parent(step)]
+STEP_PAIRS = [(step.parent, step.id) for step in STEPS.values() if step.parent]
 
 
 @pytest.mark.parametrize("previous, step", STEP_PAIRS)

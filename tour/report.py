@@ -12,7 +12,7 @@ from pathlib import Path
 
 from common.atomic_write import write_text_atomically
 from estimate.published import STUDY_RESERVED_GB
-from estimate.script_import import with_parent
+from steps import with_parent
 from common.memory import BREAKDOWN_KEYS, MODEL_STATE_KEYS
 from common.summary import PER_PARAMETER, PER_PARAMETER_NOTE
 from tour.charts import estimate_figure, save_png, tour_figure

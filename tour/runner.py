@@ -18,7 +18,6 @@ an interrupted run leaves the previous results as they were, a table is never ha
 record from an earlier run is never read as this run's.
 """
 import argparse
-import importlib.util
 import os
 import re
 import shutil
@@ -32,8 +31,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from common.cli import positive_int, processes_for
-from estimate.script_import import default_accum_steps, step_id
 from common.presets import PRESETS
+from steps import scripts as registered_scripts, step_id, step_of
 from common.atomic_write import atomic_path, write_json_atomically
 from tour.records import ESTIMATE_FILE, TOUR_FILE, read_json
 from tour.report import (ESTIMATE_CHART, ESTIMATE_TABLE, REPORT_FILES, TOUR_CHART,
@@ -41,7 +40,6 @@ from tour.report import (ESTIMATE_CHART, ESTIMATE_TABLE, REPORT_FILES, TOUR_CHAR
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT_PATTERN = "[0-9][0-9]*_*.py"  # the steps 01-09 and their branches (05a_adamw_8bit.py)
-FIRST_DISTRIBUTED_STEP = 7  # 07_fsdp and after shard the model across processes
 CPU_PROCESSES = 2  # without 2 GPUs the sharded steps run as this many CPU processes
 DEFAULT_PRESET = "tiny"
 GPU_PRESETS = ("article", "imdb")  # sized for a GPU; tiny and tiny-text for a CPU
@@ -63,7 +61,10 @@ class Step:
     record_name: str     # the name tour.json gives it
 
 
-def find_scripts(scripts_dir):
+def find_scripts(scripts_dir=None):
+    """The registered steps (steps.py), or the numbered scripts in `scripts_dir` (stand-ins)."""
+    if scripts_dir is None:
+        return registered_scripts()
     return sorted(Path(scripts_dir).resolve().glob(SCRIPT_PATTERN))
 
 
@@ -125,7 +126,7 @@ def sharded_launch(gpu_count, nproc=None, device="auto", preset=DEFAULT_PRESET, 
 
 
 def script_step(script, results_dir, passed_flags, launch):
-    if int(script.name[:2]) >= FIRST_DISTRIBUTED_STEP:
+    if step_of(script).sharded:
         launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone",  # a free port
                     f"--nproc_per_node={launch.processes}"]
         passed_flags = [*passed_flags, "--device", launch.device]
@@ -136,9 +137,7 @@ def script_step(script, results_dir, passed_flags, launch):
 
 
 def estimate_step(results_dir):
-    """The GPU estimate (article preset), or None while this checkout has no estimate module."""
-    if importlib.util.find_spec(ESTIMATE_MODULE) is None:
-        return None
+    """The GPU estimate (article preset)."""
     command = [sys.executable, "-m", ESTIMATE_MODULE, "--results-dir", str(results_dir)]
     return Step("estimate", command, ESTIMATE_FILE, "estimate")
 
@@ -290,8 +289,8 @@ def parse_args(argv=None, scripts=()):
                          *(["--epochs", str(args.epochs)] if args.epochs else []),
                          *(["--device", args.device] if args.device != "auto" else [])]
     import torch  # only here: the rest of the tour runs without it
-    sharded = [script for script in args.scripts if int(script.name[:2]) >= FIRST_DISTRIBUTED_STEP]
-    split = (PRESETS[args.preset].batch_size, default_accum_steps(sharded[0]) if sharded else 1)
+    sharded = [script for script in args.scripts if step_of(script).sharded]
+    split = (PRESETS[args.preset].batch_size, step_of(sharded[0]).accum_steps if sharded else 1)
     try:
         args.launch = sharded_launch(torch.cuda.device_count(), args.nproc, args.device,
                                      args.preset, split)
@@ -300,7 +299,7 @@ def parse_args(argv=None, scripts=()):
     return args
 
 
-def main(argv=None, scripts_dir=ROOT):
+def main(argv=None, scripts_dir=None):
     """Run the tour; returns the exit status (1 if any step failed). `scripts_dir` holds the
     numbered scripts (the tests point it at stand-ins)."""
     args = parse_args(argv, find_scripts(scripts_dir))
@@ -310,7 +309,7 @@ def main(argv=None, scripts_dir=ROOT):
     try:
         steps = [script_step(script, staging, args.passed_flags, args.launch)
                  for script in args.scripts]
-        if any(int(script.name[:2]) >= FIRST_DISTRIBUTED_STEP for script in args.scripts):
+        if any(step_of(script).sharded for script in args.scripts):
             print(f"sharded steps: {args.launch.reason}", flush=True)
         estimate = (None if args.skip_estimate or args.preset not in ESTIMATED_PRESETS
                     else estimate_step(staging))
@@ -322,9 +321,7 @@ def main(argv=None, scripts_dir=ROOT):
         else:
             reason = ("--skip-estimate" if args.skip_estimate
                       else "the tour's GPU estimate predicts the image steps (article preset); "
-                           "for text, python -m estimate --preset imdb"
-                      if args.preset not in ESTIMATED_PRESETS
-                      else f"this checkout has no {ESTIMATE_MODULE} module")
+                           "for text, python -m estimate --preset imdb")
             estimate_outcome = {"script": "estimate", "status": "skipped", "error": reason}
         write_json_atomically(staging / TOUR_FILE, {
             "steps": outcomes, "estimate": estimate_outcome, "passed_flags": args.passed_flags,

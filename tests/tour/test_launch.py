@@ -53,7 +53,7 @@ def test_the_tour_takes_the_split_from_its_preset_and_the_sharded_scripts(
     """The tour reads the preset's batch and 07's micro-batches itself (faked GPU counts)."""
     import torch
     monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
-    args = runner.parse_args(["--preset", preset, "--steps", "07"], runner.find_scripts(runner.ROOT))
+    args = runner.parse_args(["--preset", preset, "--steps", "07"], runner.find_scripts())
     assert args.launch.processes == processes
 
 
