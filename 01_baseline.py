@@ -3,10 +3,10 @@
 The reference run. Every later script is this one plus one memory technique, so
 `diff 01_baseline.py 02_mixed_precision.py` shows exactly what that technique changes.
 
-  python 01_baseline.py                   # tiny preset: offline, about 30 s on a laptop CPU
-  python 01_baseline.py --preset article  # the study: ViT-L/16 on CIFAR-10 (GPU and network)
-  python 01_baseline.py --preset tiny-text  # text: a pretrained MiniLM on movie reviews
-  python 01_baseline.py --estimate        # predict peak GPU memory without a GPU
+  python %(prog)s                                  # tiny preset: offline, about 30 s on a laptop CPU
+  python %(prog)s --preset article                 # the study: ViT-L/16 on CIFAR-10 (GPU and network)
+  python %(prog)s --preset tiny-text               # text: a pretrained MiniLM on movie reviews
+  python %(prog)s --estimate                       # predict peak GPU memory without a GPU
 """
 import torch
 import torch.nn.functional as F

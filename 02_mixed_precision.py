@@ -6,10 +6,10 @@ backward pass take half the memory. Weights, gradients and Adam's state stay flo
 large factor before backward and the gradients divided by it before the step; a step whose
 gradients overflowed to inf is skipped and the factor halved.
 
-  python 02_mixed_precision.py                   # tiny preset: offline, about 30 s on a laptop CPU
-  python 02_mixed_precision.py --preset article  # the study: ViT-L/16 on CIFAR-10 (GPU and network)
-  python 02_mixed_precision.py --preset tiny-text  # text: a pretrained MiniLM on movie reviews
-  python 02_mixed_precision.py --estimate        # predict peak GPU memory without a GPU
+  python %(prog)s                                  # tiny preset: offline, about 30 s on a laptop CPU
+  python %(prog)s --preset article                 # the study: ViT-L/16 on CIFAR-10 (GPU and network)
+  python %(prog)s --preset tiny-text               # text: a pretrained MiniLM on movie reviews
+  python %(prog)s --estimate                       # predict peak GPU memory without a GPU
 """
 import torch
 import torch.nn.functional as F

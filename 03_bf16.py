@@ -4,10 +4,10 @@ Weights, gradients, Adam's state and activations are all bfloat16: half of float
 bfloat16 keeps float32's exponent range, so gradients do not underflow and no loss scaler is
 needed; it has fewer mantissa bits, so very small updates to a weight can be lost.
 
-  python 03_bf16.py                   # tiny preset: offline, about 30 s on a laptop CPU
-  python 03_bf16.py --preset article  # the study: ViT-L/16 on CIFAR-10 (GPU and network)
-  python 03_bf16.py --preset tiny-text  # text: a pretrained MiniLM on movie reviews
-  python 03_bf16.py --estimate        # predict peak GPU memory without a GPU
+  python %(prog)s                                  # tiny preset: offline, about 30 s on a laptop CPU
+  python %(prog)s --preset article                 # the study: ViT-L/16 on CIFAR-10 (GPU and network)
+  python %(prog)s --preset tiny-text               # text: a pretrained MiniLM on movie reviews
+  python %(prog)s --estimate                       # predict peak GPU memory without a GPU
 """
 import torch
 import torch.nn.functional as F

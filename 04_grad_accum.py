@@ -7,10 +7,10 @@ the number of micro-batches, so the summed gradient is the gradient of the whole
 loss. Every batch is whole (the loader drops an epoch's last partial batch), so every optimizer
 step sees a full set of equal micro-batches.
 
-  python 04_grad_accum.py                   # tiny preset: offline, about 30 s on a laptop CPU
-  python 04_grad_accum.py --preset article  # the study: ViT-L/16 on CIFAR-10 (GPU and network)
-  python 04_grad_accum.py --preset tiny-text  # text: a pretrained MiniLM on movie reviews
-  python 04_grad_accum.py --estimate        # predict peak GPU memory without a GPU
+  python %(prog)s                                  # tiny preset: offline, about 30 s on a laptop CPU
+  python %(prog)s --preset article                 # the study: ViT-L/16 on CIFAR-10 (GPU and network)
+  python %(prog)s --preset tiny-text               # text: a pretrained MiniLM on movie reviews
+  python %(prog)s --estimate                       # predict peak GPU memory without a GPU
 """
 import torch
 import torch.nn.functional as F

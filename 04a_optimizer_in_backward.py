@@ -10,10 +10,10 @@ What it cannot do: gradient accumulation (04) needs every micro-batch's gradient
 one step, and clipping by the global gradient norm needs every gradient at once; this script
 steps during each backward, so it offers neither.
 
-  python 04a_optimizer_in_backward.py                   # tiny preset: offline, about 30 s on a laptop CPU
-  python 04a_optimizer_in_backward.py --preset article  # the study: ViT-L/16 on CIFAR-10 (GPU and network)
-  python 04a_optimizer_in_backward.py --preset tiny-text  # text: a pretrained MiniLM on movie reviews
-  python 04a_optimizer_in_backward.py --estimate        # predict peak GPU memory without a GPU
+  python %(prog)s                                  # tiny preset: offline, about 30 s on a laptop CPU
+  python %(prog)s --preset article                 # the study: ViT-L/16 on CIFAR-10 (GPU and network)
+  python %(prog)s --preset tiny-text               # text: a pretrained MiniLM on movie reviews
+  python %(prog)s --estimate                       # predict peak GPU memory without a GPU
 """
 import sys
 

@@ -4,10 +4,10 @@ Adam keeps two running averages per weight (twice the model's size); SGD without
 nothing. Its learning rate decays along a cosine to zero over the run's optimizer steps (not its
 micro-batches). Plain SGD needs a larger learning rate than Adam: the preset's `sgd_lr`.
 
-  python 05_sgd_cosine.py                   # tiny preset: offline, about 30 s on a laptop CPU
-  python 05_sgd_cosine.py --preset article  # the study: ViT-L/16 on CIFAR-10 (GPU and network)
-  python 05_sgd_cosine.py --preset tiny-text  # text: a pretrained MiniLM on movie reviews
-  python 05_sgd_cosine.py --estimate        # predict peak GPU memory without a GPU
+  python %(prog)s                                  # tiny preset: offline, about 30 s on a laptop CPU
+  python %(prog)s --preset article                 # the study: ViT-L/16 on CIFAR-10 (GPU and network)
+  python %(prog)s --preset tiny-text               # text: a pretrained MiniLM on movie reviews
+  python %(prog)s --estimate                       # predict peak GPU memory without a GPU
 """
 import torch
 import torch.nn.functional as F

@@ -10,10 +10,10 @@ On a GPU its step is slower than its memory suggests: bitsandbytes 0.50 waits fo
 each parameter's update (`torch.cuda.synchronize`), so the steps of many small tensors do not
 overlap.
 
-  python 05a_adamw_8bit.py                   # tiny preset: offline, about 30 s on a laptop CPU
-  python 05a_adamw_8bit.py --preset article  # the study: ViT-L/16 on CIFAR-10 (GPU and network)
-  python 05a_adamw_8bit.py --preset tiny-text  # text: a pretrained MiniLM on movie reviews
-  python 05a_adamw_8bit.py --estimate        # predict peak GPU memory without a GPU
+  python %(prog)s                                  # tiny preset: offline, about 30 s on a laptop CPU
+  python %(prog)s --preset article                 # the study: ViT-L/16 on CIFAR-10 (GPU and network)
+  python %(prog)s --preset tiny-text               # text: a pretrained MiniLM on movie reviews
+  python %(prog)s --estimate                       # predict peak GPU memory without a GPU
 """
 import torch
 import torch.nn.functional as F

@@ -10,10 +10,10 @@ apply. On a GPU its step is slow for its size: torch.optim.Adafactor never picks
 implementation by itself (unlike Adam), and its one-tensor-at-a-time path reads several numbers
 back to the host per parameter (`.item()`), each a wait for the GPU.
 
-  python 05b_adafactor.py                   # tiny preset: offline, about 30 s on a laptop CPU
-  python 05b_adafactor.py --preset article  # the study: ViT-L/16 on CIFAR-10 (GPU and network)
-  python 05b_adafactor.py --preset tiny-text  # text: a pretrained MiniLM on movie reviews
-  python 05b_adafactor.py --estimate        # predict peak GPU memory without a GPU
+  python %(prog)s                                  # tiny preset: offline, about 30 s on a laptop CPU
+  python %(prog)s --preset article                 # the study: ViT-L/16 on CIFAR-10 (GPU and network)
+  python %(prog)s --preset tiny-text               # text: a pretrained MiniLM on movie reviews
+  python %(prog)s --estimate                       # predict peak GPU memory without a GPU
 """
 import torch
 import torch.nn.functional as F

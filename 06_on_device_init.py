@@ -6,10 +6,10 @@ Here every parameter is created on the target device in bfloat16 from the start 
 weights are loaded straight into it), so model creation needs only the final model's memory,
 and no time is spent building and converting a float32 copy. Training itself is unchanged.
 
-  python 06_on_device_init.py                   # tiny preset: offline, about 30 s on a laptop CPU
-  python 06_on_device_init.py --preset article  # the study: ViT-L/16 on CIFAR-10 (GPU and network)
-  python 06_on_device_init.py --preset tiny-text  # text: a pretrained MiniLM on movie reviews
-  python 06_on_device_init.py --estimate        # predict peak GPU memory without a GPU
+  python %(prog)s                                  # tiny preset: offline, about 30 s on a laptop CPU
+  python %(prog)s --preset article                 # the study: ViT-L/16 on CIFAR-10 (GPU and network)
+  python %(prog)s --preset tiny-text               # text: a pretrained MiniLM on movie reviews
+  python %(prog)s --estimate                       # predict peak GPU memory without a GPU
 """
 import torch
 import torch.nn.functional as F

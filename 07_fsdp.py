@@ -11,12 +11,12 @@ on the meta device (shapes, no memory) and sharded before any process allocates 
 fills its own shards from a whole copy in the host memory of process 0, so no device ever holds
 the whole model, not even while it is created.
 
-  torchrun --nproc_per_node=2 07_fsdp.py         # tiny preset, 2 processes (CPU: gloo, GPU: nccl)
-  torchrun --nproc_per_node=2 07_fsdp.py --preset tiny-text  # text
-  python 07_fsdp.py                               # the same as one process
-  torchrun --nproc_per_node=4 07_fsdp.py --preset article  # the study's model on 4 GPUs
-  torchrun --nproc_per_node=2 07_fsdp.py --reshard-after-forward false  # ZeRO-2's memory
-  python 07_fsdp.py --estimate                    # predict peak GPU memory without a GPU
+  torchrun --nproc_per_node=2 %(prog)s             # tiny preset, 2 processes (CPU: gloo, GPU: nccl)
+  torchrun --nproc_per_node=2 %(prog)s --preset tiny-text # text
+  python %(prog)s                                  # the same as one process
+  torchrun --nproc_per_node=4 %(prog)s --preset article # the study's model on 4 GPUs
+  torchrun --nproc_per_node=2 %(prog)s --reshard-after-forward false # ZeRO-2's memory
+  python %(prog)s --estimate                       # predict peak GPU memory without a GPU
 """
 import torch
 import torch.distributed as dist
@@ -109,7 +109,7 @@ def main(argv=None):
     if args.estimate:  # predict instead: this script's main() on fake tensors (estimate/)
         from estimate import estimate
         return estimate(__file__, argv)
-    rank, world_size, device = init_distributed(args.device)  # FSDP: one process per device
+    _, world_size, device = init_distributed(args.device)  # FSDP: one process per device
     try:  # FSDP: release the group's connections (NCCL communicators) also on error
         check_batch_split(args, world_size)  # equal micro-batches on every process
         return train(args, device)

@@ -9,11 +9,11 @@ blocks' weights at a time; the price is a copy over PCIe for every block in ever
 On a machine without a GPU the "device" is the CPU already: offloading moves CPU tensors to
 the CPU, so the peak measured there does not fall below 07's. The saving shows on a GPU.
 
-  torchrun --nproc_per_node=2 08_offload.py      # tiny preset, 2 processes (CPU: gloo, GPU: nccl)
-  torchrun --nproc_per_node=2 08_offload.py --preset tiny-text  # text
-  python 08_offload.py                            # the same as one process
-  torchrun --nproc_per_node=4 08_offload.py --preset article  # the study's model on 4 GPUs
-  python 08_offload.py --estimate                 # predict peak GPU memory without a GPU
+  torchrun --nproc_per_node=2 %(prog)s             # tiny preset, 2 processes (CPU: gloo, GPU: nccl)
+  torchrun --nproc_per_node=2 %(prog)s --preset tiny-text # text
+  python %(prog)s                                  # the same as one process
+  torchrun --nproc_per_node=4 %(prog)s --preset article # the study's model on 4 GPUs
+  python %(prog)s --estimate                       # predict peak GPU memory without a GPU
 """
 import torch
 import torch.distributed as dist
@@ -108,7 +108,7 @@ def main(argv=None):
     if args.estimate:  # predict instead: this script's main() on fake tensors (estimate/)
         from estimate import estimate
         return estimate(__file__, argv)
-    rank, world_size, device = init_distributed(args.device)  # FSDP: one process per device
+    _, world_size, device = init_distributed(args.device)  # FSDP: one process per device
     try:  # FSDP: release the group's connections (NCCL communicators) also on error
         check_batch_split(args, world_size)  # equal micro-batches on every process
         return train(args, device)

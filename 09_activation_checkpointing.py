@@ -6,11 +6,11 @@ backward it runs its forward once more to recreate them, one block at a time. Th
 held at once shrink from all blocks' to one block's plus each block's input, for the price of
 a second forward pass through every block (up to a third more compute).
 
-  torchrun --nproc_per_node=2 09_activation_checkpointing.py   # tiny preset, 2 processes
-  torchrun --nproc_per_node=2 09_activation_checkpointing.py --preset tiny-text  # text
-  python 09_activation_checkpointing.py                         # the same as one process
-  torchrun --nproc_per_node=4 09_activation_checkpointing.py --preset article  # 4 GPUs
-  python 09_activation_checkpointing.py --estimate              # predict peak GPU memory
+  torchrun --nproc_per_node=2 %(prog)s             # tiny preset, 2 processes
+  torchrun --nproc_per_node=2 %(prog)s --preset tiny-text # text
+  python %(prog)s                                  # the same as one process
+  torchrun --nproc_per_node=4 %(prog)s --preset article # 4 GPUs
+  python %(prog)s --estimate                       # predict peak GPU memory
 """
 import torch
 import torch.distributed as dist
@@ -94,7 +94,7 @@ def train(args, device):
         shard_options = dict(mesh=init_device_mesh(device.type, (world_size,)))  # all processes
         # offload: shards live in CPU memory between uses (pinned when training on CUDA)
         shard_options["offload_policy"] = CPUOffloadPolicy(pin_memory=device.type == "cuda")
-        for block in transformer_blocks(model):
+        for block in blocks:  # checkpointing: the wrappers, sharded as 07 shards the blocks
             if args.compile:  # FSDP: compile each block before sharding it (torchtitan's order):
                 block.compile()  # FSDP's gathers stay outside compiled code; alike blocks share it
             # true: ZeRO-3, gathered weights freed after forward; false: kept until backward
@@ -128,7 +128,7 @@ def main(argv=None):
     if args.estimate:  # predict instead: this script's main() on fake tensors (estimate/)
         from estimate import estimate
         return estimate(__file__, argv)
-    rank, world_size, device = init_distributed(args.device)  # FSDP: one process per device
+    _, world_size, device = init_distributed(args.device)  # FSDP: one process per device
     try:  # FSDP: release the group's connections (NCCL communicators) also on error
         check_batch_split(args, world_size)  # equal micro-batches on every process
         return train(args, device)
