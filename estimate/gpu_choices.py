@@ -24,9 +24,10 @@ here, explicitly, as PyTorch 2.13 (the version pinned here) makes it on an A100:
   both devices and need no switch.
 - Optimizers: with foreach=None on CUDA tensors, the torch.optim optimizers that ask
   `_default_to_fused_or_foreach` (Adam, AdamW, SGD, ...) take their foreach implementation (on
-  the CPU, the for-loop one); Adafactor never asks, and runs its single-tensor path on both. Foreach Adam holds one temporary the size of
-  all parameters at once (the square root of the second moment; the June 2023 build the study
-  used held two); the for-loop one, one parameter's worth (`cuda_optimizer_defaults`).
+  the CPU, the for-loop one); Adafactor never asks, and runs its single-tensor path on both.
+  Foreach Adam holds one temporary the size of all parameters at once (the square root of the
+  second moment; the June 2023 build the study used held two); the for-loop one, one
+  parameter's worth (`cuda_optimizer_defaults`).
 - Allocation rounding: every block is a multiple of 512 bytes (`ALLOCATION_GRANULE`, caching_allocator.py).
 - The caching allocator: freed blocks stay reserved and are reused by later requests that fit,
   so `max_memory_reserved` exceeds `max_memory_allocated` by the allocator's fragmentation

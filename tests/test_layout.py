@@ -107,7 +107,8 @@ STEP_PAIRS = [(step.parent, step.id) for step in STEPS.values() if step.parent]
 @pytest.mark.parametrize("previous, step", STEP_PAIRS)
 def test_every_changed_block_opens_with_its_steps_tag(previous, step):
     before, after = script_path(previous).read_text(), script_path(step).read_text()
-    restored = set(code_lines(script_path(RESTORED_FROM[step]).read_text())) if step in RESTORED_FROM else set()
+    restored = (set(code_lines(script_path(RESTORED_FROM[step]).read_text()))
+                if step in RESTORED_FROM else set())
     assert untagged_blocks(before, after, step, restored) == []
 
 

@@ -301,7 +301,8 @@ def test_the_imdb_estimate_keeps_blooms_float32_attention_probabilities_per_laye
 @pytest.mark.parametrize("old, new, named", [
     ("from common.data import load_data, to_device\n",
      "from common.data import load_data as read_batches, to_device\n", "does not import `load_data`"),
-    ("def train_step(", "def evaluate(model, loader, device, dtype=None):\n    return 0.0\n\n\ndef train_step(",
+    ("def train_step(",
+     "def evaluate(model, loader, device, dtype=None):\n    return 0.0\n\n\ndef train_step(",
      "defines or imports its own `evaluate`"),
 ])
 def test_a_broken_contract_stops_the_estimate_naming_the_name(tmp_path, old, new, named):
