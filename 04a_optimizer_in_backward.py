@@ -15,7 +15,6 @@ steps during each backward, so it offers neither.
   python %(prog)s --preset tiny-text               # text: a pretrained MiniLM on movie reviews
   python %(prog)s --estimate                       # predict peak GPU memory without a GPU
 """
-import sys
 
 import torch
 import torch.nn.functional as F
@@ -85,10 +84,9 @@ def train(args, device):
 
 
 def main(argv=None):
-    if "--accum-steps" in " ".join(sys.argv[1:] if argv is None else argv):  # optimizer in backward
-        raise SystemExit("error: 04a steps each weight during backward, so it cannot accumulate "
-                         "gradients over micro-batches; for --accum-steps use 04_grad_accum.py")
-    args = parse_args(__doc__, argv)
+    args = parse_args(__doc__, argv, no_accumulation=(  # optimizer in backward: no micro-batches
+        "04a steps each weight during backward, so it cannot accumulate gradients over "
+        "micro-batches; for --accum-steps use 04_grad_accum.py"))
     if args.estimate:  # predict instead: this script's main() on fake tensors (estimate/)
         from estimate import estimate
         return estimate(__file__, argv)

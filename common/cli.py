@@ -63,9 +63,13 @@ def say_interrupted(error_type, error, trace, previous=sys.excepthook):
     previous(error_type, error, trace)
 
 
-def parse_args(description, argv=None, accum_steps=None, sharded=False):
+def parse_args(description, argv=None, accum_steps=None, sharded=False, no_accumulation=None):
     """Parse the shared flags; `accum_steps` (from step 04 on) adds --accum-steps with that
-    default, `sharded` (07 on) --reshard-after-forward.
+    default, `sharded` (07 on) --reshard-after-forward; `no_accumulation`, the reason a script
+    refuses --accum-steps (04a), turns that flag into an error saying so.
+
+    The preset the run trains, --model's classifier in place of the preset's own when given, is
+    resolved here once and travels on `args` (`preset_for(args)` returns it).
 
     Preset defaults fill --epochs and --batch-size; --lr stays None unless given, so each script
     picks its optimizer's default from the preset.
@@ -73,7 +77,7 @@ def parse_args(description, argv=None, accum_steps=None, sharded=False):
     sys.excepthook = say_interrupted
     parser = argparse.ArgumentParser(description=description,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--preset", choices=sorted(PRESETS), default="tiny",
+    parser.add_argument("--preset", choices=sorted(PRESETS),
                         help="tiny: offline, CPU, seconds (default); article: ViT-L/16 on "
                              "CIFAR-10; tiny-text: offline, a MiniLM on movie reviews; imdb: "
                              "BLOOM-560m on IMDb (article and imdb: GPU and network)")
@@ -105,6 +109,8 @@ def parse_args(description, argv=None, accum_steps=None, sharded=False):
     if accum_steps is not None:
         parser.add_argument("--accum-steps", type=positive_int, default=accum_steps,
                             help=f"micro-batches per optimizer step (default: {accum_steps})")
+    elif no_accumulation:
+        parser.add_argument("--accum-steps", type=positive_int, help=f"refused: {no_accumulation}")
     if sharded:
         parser.add_argument("--reshard-after-forward", type=true_or_false, default=True,
                             metavar="{true,false}",
@@ -119,14 +125,18 @@ def parse_args(description, argv=None, accum_steps=None, sharded=False):
     problem = unwritable(args.results_dir)
     if problem:
         parser.error(problem)
+    given, args.preset = args.preset is not None, args.preset or "tiny"
     preset = PRESETS[args.preset]
     if args.model is not None:
-        preset = model_preset(parser, args, argv)
+        preset = model_preset(parser, args, given)
     elif args.seq_len or args.image_size or args.num_labels:
         parser.error("--seq-len, --image-size and --num-labels shape the model named by --model; "
                      "the presets have their own (add --model NAME_OR_DIR)")
+    args.preset_settings = preset  # preset_for(args): the preset, resolved once
     args.epochs = args.epochs or preset.epochs
     args.batch_size = args.batch_size or preset.batch_size
+    if no_accumulation and args.accum_steps is not None:
+        parser.error(no_accumulation)
     if accum_steps is None:
         args.accum_steps = 1
     elif args.batch_size % args.accum_steps:
@@ -150,7 +160,7 @@ def parse_args(description, argv=None, accum_steps=None, sharded=False):
     return args
 
 
-def model_preset(parser, args, argv):
+def model_preset(parser, args, given):
     """Check --model and the flags that shape it; pick the preset of its task (tiny or
     tiny-text) when --preset was not given. Stops with a message on any problem."""
     from common.any_model import ModelProblem, read_config, task_of, with_model
@@ -158,8 +168,6 @@ def model_preset(parser, args, argv):
     try:
         config, _ = read_config(args.model)
         task = task_of(config.model_type)
-        given = any(arg == "--preset" or arg.startswith("--preset=")
-                    for arg in (sys.argv[1:] if argv is None else argv))
         if task is not None and not given:
             args.preset = "tiny-text" if task == "text" else "tiny"
         preset = PRESETS[args.preset]

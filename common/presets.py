@@ -118,7 +118,10 @@ def get_preset(name: str) -> Preset:
 
 def preset_for(args):
     """The preset the command line asks for: --preset, with --model's classifier in place of its
-    own when given (common/any_model.py; parse_args has checked the model)."""
+    own when given (common/any_model.py), as parse_args resolved it; built here for `args` that
+    did not come from parse_args."""
+    if getattr(args, "preset_settings", None) is not None:
+        return args.preset_settings
     preset = get_preset(args.preset)
     if getattr(args, "model", None) is None:
         return preset

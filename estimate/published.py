@@ -11,6 +11,7 @@ STUDY_RESERVED_GB = {
     ("03_bf16", 64, 1): 13.82,
     ("03_bf16", 16, 1): 5.69,
     ("04_grad_accum", 16, 4): 3.91,
+    ("05_sgd_cosine", 16, 4): 2.02,  # the study's headline, "about 2 GB": SGD, 4 micro-batches
 }
 
 

@@ -1,5 +1,7 @@
 """The branches' claims: 04a (optimizer in backward) takes 03's step and never holds the whole
 model's gradients; 05a (8-bit AdamW) and 05b (Adafactor) keep the state they promise, and learn."""
+import re
+
 import pytest
 import torch
 
@@ -59,9 +61,11 @@ def test_the_optimizer_in_backward_holds_one_parameters_gradient_at_most(tmp_pat
     assert max(held) <= largest < sum(param.nbytes for param in parameters) / 4
 
 
-def test_accumulation_is_refused_by_the_optimizer_in_backward():
-    with pytest.raises(SystemExit, match="cannot accumulate gradients.*use 04_grad_accum.py"):
+def test_accumulation_is_refused_by_the_optimizer_in_backward(capsys):
+    with pytest.raises(SystemExit) as stopped:
         load_script("04a").main(["--accum-steps", "4"])
+    assert stopped.value.code == 2  # a usage error, as argparse reports one
+    assert re.search("cannot accumulate gradients.*use 04_grad_accum.py", capsys.readouterr().err)
 
 
 def optimizer_state_bytes(optimizer):
