@@ -318,6 +318,7 @@ def test_keeping_the_gathered_weights_to_backward_trains_alike_and_holds_more(pr
 def test_the_estimate_predicts_the_kept_weights_too():
     from estimate.predict import predict
     freed, kept = (predict(script_path("07"), ["--preset", "article", "--device", "cuda",
+                                               "--batch-size", "4", "--accum-steps", "1",  # quicker
                                                "--reshard-after-forward", value], world_size=4)
                    for value in ("true", "false"))
     whole_blocks_bf16 = 24 * 12.6e6 * 2  # ViT-L/16: 24 blocks of 12.6M parameters, 2 bytes

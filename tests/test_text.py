@@ -31,7 +31,7 @@ SNIPPETS = [  # of different lengths, so that a batch of them holds padding
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("name", ALL_STEPS)
 def test_every_step_trains_on_text(name, small_snippets, tmp_path):
-    record, meter = run_script(name, [*TEXT, *QUICK], tmp_path)
+    record, meter = run_script(name, [*TEXT, *QUICK, "--batch-size", "8"], tmp_path)  # quick
     assert record["preset"] == "tiny-text" and record["steps"] == 2
     assert all(math.isfinite(loss) for loss in record["losses"])
     assert record["test_samples"] == SMALL_SNIPPET_SPLITS[2]
