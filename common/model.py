@@ -90,6 +90,8 @@ def load_pretrained(preset, dtype, device):
                 source, **preset.config, num_labels=preset.num_classes,  # the preset's settings
                 ignore_mismatched_sizes=True,  # a new head
                 dtype=dtype, device_map=device, output_loading_info=True)
+    except (torch.OutOfMemoryError, torch.AcceleratorError):
+        raise  # the GPU's own failures (device_map puts the weights on it) are not the files'
     except Exception as error:  # noqa: BLE001 - a truncated or corrupted file, of any library
         reason = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
         raise SystemExit(f"error: the weights of {source} could not be read ({reason}). A "

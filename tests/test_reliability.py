@@ -120,3 +120,21 @@ def test_weights_saved_with_another_number_of_classes_get_a_new_head(tmp_path, s
     record, meter = run_script("04", [*model_flags(folder, "BERT"), *QUICK], tmp_path)
     assert record["steps"] == 2 and meter.model.config.num_labels == 2
     assert meter.model.classifier.out_features == 2
+
+
+def test_a_gpu_out_of_memory_while_loading_is_not_called_corrupted_weights(tmp_path, monkeypatch):
+    """Loading puts the weights on the training device: its out-of-memory error stays itself."""
+    import torch
+    from transformers import AutoConfig, AutoModelForSequenceClassification
+
+    from architecture_matrix import model_flags, write_model
+    folder = write_model(tmp_path / "bert", "BERT")
+    AutoModelForSequenceClassification.from_config(
+        AutoConfig.from_pretrained(folder)).save_pretrained(folder)
+
+    def out_of_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+    monkeypatch.setattr(AutoModelForSequenceClassification, "from_pretrained", out_of_memory)
+    monkeypatch.setattr("transformers.BertForSequenceClassification.from_pretrained", out_of_memory)
+    with pytest.raises(torch.OutOfMemoryError):
+        run_script("04", [*model_flags(folder, "BERT"), *QUICK], tmp_path)
