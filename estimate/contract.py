@@ -10,7 +10,10 @@ naming the one that is not.
 """
 import importlib
 
-from estimate.fake_run import EstimateError
+
+class EstimateError(Exception):
+    """A run that cannot be estimated: the message says what was wrong and what to do."""
+
 
 # name -> (module it comes from, what --estimate runs instead, and why)
 REQUIRED = {

@@ -32,6 +32,7 @@ from estimate.allocation_trace import AllocationTrace
 from estimate.fake_tensor_patches import (FakeModeReadingZeros, device_meshes_made_for_real,
                                sharding_propagation_apart, swappable_fake_parameters,
                                with_global_peak_only)
+from estimate.contract import EstimateError, check_contract
 from estimate.script_import import import_script
 from common.memory import FSDPMemTracker, MemoryMeter, is_sharded, memory_tracker
 from common.memory import measure_creation as real_measure_creation
@@ -49,10 +50,6 @@ TRAIN_SAMPLES = {"digits": 1797 - 360 - 180, "uoft-cs/cifar10": 50000 - 5000,
 
 
 INIT_PROCESS_GROUP = dist.init_process_group  # the real one, for the fake group
-
-
-class EstimateError(Exception):
-    """A run that cannot be estimated: the message says what was wrong and what to do."""
 
 
 @dataclass
@@ -296,7 +293,6 @@ def run_on_fake_tensors(script_path, argv, world_size=1, gpu=gpu_choices.DEFAULT
     emulate_cuda = wants_cuda_emulation(argv)
     run = FakeRun(script=Path(script_path).stem, emulate_cuda=emulate_cuda)
     module = import_script(script_path, prefix="estimated")
-    from estimate.contract import check_contract  # it imports EstimateError from here
     check_contract(module, Path(script_path).name)
     for name, stand_in in stand_ins(run, world_size).items():
         if hasattr(module, name):
