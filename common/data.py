@@ -21,11 +21,20 @@ from common.presets import MOVIE_SNIPPETS
 from common.progress import is_main_process
 
 SPLIT_SEED = 0  # the train/validation/test split never depends on --seed
-SNIPPET_SPLITS = (1600, 500, 2000)  # train, validation, test; 6,468 snippets unused
+# train, validation and test samples of each preset's data set
+DIGITS_SPLITS = (1257, 180, 360)  # scikit-learn's 1,797 digits
+CIFAR10_SPLITS = (45000, 5000, 10000)  # the study's: 5,000 of CIFAR-10's training images validate
+SNIPPET_SPLITS = (1600, 500, 2000)  # 6,468 snippets unused
 IMDB_SPLITS = (35000, 5000, 10000)  # the LLM study's: IMDb's train and test halves, joined
 # a tokenizer's vocabulary, in one of the forms transformers saves it
 TOKENIZER_FILES = ("tokenizer.json", "vocab.txt", "vocab.json", "tokenizer.model", "spiece.model",
                    "sentencepiece.bpe.model")
+
+
+def splits_of(dataset):
+    """(train, validation, test) samples of a preset's data set (`preset.dataset`), or None."""
+    return {"digits": DIGITS_SPLITS, "uoft-cs/cifar10": CIFAR10_SPLITS,
+            "movie-snippets": SNIPPET_SPLITS, "stanfordnlp/imdb": IMDB_SPLITS}.get(dataset)
 
 
 @dataclass
@@ -36,7 +45,7 @@ class Data:
 
 
 def digits_datasets(image_size=32):
-    """Train/validation/test splits (1257/180/360) of scikit-learn's digits."""
+    """Train/validation/test splits (DIGITS_SPLITS) of scikit-learn's digits."""
     import datasets
     from sklearn.datasets import load_digits
 
@@ -52,19 +61,19 @@ def digits_datasets(image_size=32):
     full = datasets.Dataset.from_dict(
         {"pixel_values": images.numpy(), "label": digits.target.astype(np.int64)}, features=features)
     full = full.with_format("torch")
-    rest_test = full.train_test_split(test_size=360, seed=SPLIT_SEED)
-    train_val = rest_test["train"].train_test_split(test_size=180, seed=SPLIT_SEED)
+    rest_test = full.train_test_split(test_size=DIGITS_SPLITS[2], seed=SPLIT_SEED)
+    train_val = rest_test["train"].train_test_split(test_size=DIGITS_SPLITS[1], seed=SPLIT_SEED)
     return train_val["train"], train_val["test"], rest_test["test"]
 
 
 def cifar10_datasets(name, image_size=224):
-    """Train/validation/test splits (45k/5k/10k) of CIFAR-10, resized on the fly."""
+    """Train/validation/test splits (CIFAR10_SPLITS) of CIFAR-10, resized on the fly."""
     import datasets
 
     require_hub(f"the data set {name}")
     with from_cache_when_offline(f"the data set {name}"):
         cifar = datasets.load_dataset(name)
-    train_val = cifar["train"].train_test_split(test_size=5000, seed=SPLIT_SEED)
+    train_val = cifar["train"].train_test_split(test_size=CIFAR10_SPLITS[1], seed=SPLIT_SEED)
 
     def to_tensors(batch):
         arrays = [np.asarray(img.convert("RGB").resize((image_size, image_size)), dtype=np.float32)

@@ -15,7 +15,8 @@ class EstimateError(Exception):
     """A run that cannot be estimated: the message says what was wrong and what to do."""
 
 
-# name -> (module it comes from, what --estimate runs instead, and why)
+# name -> (module it comes from, what --estimate runs instead, and why); the stand-ins
+# (fake_run.stand_ins) are exactly these, and only these are replaced
 REQUIRED = {
     "load_data": ("common.data", "batches of the preset's shapes, made when asked for: "
                   "no data set is read or downloaded"),
@@ -31,6 +32,10 @@ REQUIRED = {
 REQUIRED_WHEN_DISTRIBUTED = {
     "init_distributed": ("common.distributed", "a fake process group of --world-size ranks: "
                          "no other process is started"),
+    "init_device_mesh": ("torch.distributed.device_mesh", "made outside the fake tensors: a mesh "
+                         "computes coordinates from values"),
+    "fill_shards": ("common.model", "allocates each process's shards (and on a GPU stages each "
+                    "whole parameter, as the broadcast does); no values are copied"),
 }
 
 

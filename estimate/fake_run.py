@@ -26,13 +26,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from common.data import IMDB_SPLITS, SNIPPET_SPLITS, Data
+from common.data import Data, splits_of
 from estimate import gpu_choices
 from estimate.allocation_trace import AllocationTrace
 from estimate.fake_tensor_patches import (FakeModeReadingZeros, device_meshes_made_for_real,
                                sharding_propagation_apart, swappable_fake_parameters,
                                with_global_peak_only)
-from estimate.contract import EstimateError, check_contract
+from estimate.contract import EstimateError, check_contract, required_names
 from estimate.script_import import import_script
 from common.memory import FSDPMemTracker, MemoryMeter, is_sharded, memory_tracker
 from common.memory import measure_creation as real_measure_creation
@@ -44,9 +44,6 @@ from common.progress import Progress
 QUICK_RUN = ["--max-steps", "2", "--epochs", "1"]  # a run's peak falls within two optimizer steps
 COMPUTE_DEVICE = torch.device("cpu")  # fake tensors stand for GPU memory here (see gpu_choices.py)
 HOST_DEVICE = torch.device("meta")  # fake host memory, so that `.to(device)` copies as on a GPU
-# training samples per preset's data set, as common/data.py splits them
-TRAIN_SAMPLES = {"digits": 1797 - 360 - 180, "uoft-cs/cifar10": 50000 - 5000,
-                 "movie-snippets": SNIPPET_SPLITS[0], "stanfordnlp/imdb": IMDB_SPLITS[0]}
 
 
 INIT_PROCESS_GROUP = dist.init_process_group  # the real one, for the fake group
@@ -155,10 +152,11 @@ def stand_ins(run, world_size):
     host = HOST_DEVICE if run.emulate_cuda else COMPUTE_DEVICE
 
     def load_data(preset, batch_size, device=None, seed=0, rank=0, world_size=1):
-        if preset.dataset not in TRAIN_SAMPLES:
+        splits = splits_of(preset.dataset)  # as common/data.py splits the data set
+        if splits is None:
             raise EstimateError(f"no sample count known for the data set {preset.dataset!r}; "
-                                f"add it to TRAIN_SAMPLES in {Path(__file__).name}")
-        samples = TRAIN_SAMPLES[preset.dataset]
+                                "add its splits to splits_of in common/data.py")
+        samples = splits[0]
         if SAMPLES_FOR_ANY_BATCH:  # the --gpu-memory search: two batches, whatever their size
             samples = max(samples, 2 * batch_size)
         if batch_size > samples:
@@ -294,9 +292,9 @@ def run_on_fake_tensors(script_path, argv, world_size=1, gpu=gpu_choices.DEFAULT
     run = FakeRun(script=Path(script_path).stem, emulate_cuda=emulate_cuda)
     module = import_script(script_path, prefix="estimated")
     check_contract(module, Path(script_path).name)
-    for name, stand_in in stand_ins(run, world_size).items():
-        if hasattr(module, name):
-            setattr(module, name, stand_in)
+    replacements = stand_ins(run, world_size)
+    for name in required_names(module):
+        setattr(module, name, replacements[name])
     script_argv = [*without_estimate_flag(argv), *QUICK_RUN, "--device", "cpu"]
     fake_mode = FakeModeReadingZeros(allow_non_fake_inputs=True, cuda_batch_norm=emulate_cuda)
     with ExitStack() as stack:

@@ -18,23 +18,13 @@ from common.summary import PER_PARAMETER, PER_PARAMETER_NOTE
 from steps import scripts as numbered_scripts, step_id, step_of, with_parent
 
 
-
-def is_distributed(script):
-    """Steps that join a process group (07 on): they take a world size."""
-    return step_of(script).sharded
-
-
-def default_accum_steps(script):
-    return step_of(script).accum_steps
-
-
 def rows_for(script, preset, device, world_size, model_flags=(), gpu=DEFAULT_GPU):
     """The script's default setting, plus every other setting the study published for it (on
     its A100). `model_flags`: --model and the flags that shape it, --batch-size; then only the
     one row. `gpu`: the GPU emulated (a key of GPUS)."""
     base = ["--preset", preset, "--device", device, *model_flags]
-    distributed = is_distributed(script)
-    default = (get_preset(preset).batch_size, default_accum_steps(script))
+    distributed = step_of(script).sharded  # 07 on: they take a world size
+    default = (get_preset(preset).batch_size, step_of(script).accum_steps)
     if distributed:  # as many of the GPUs as the batch splits over (the setting names them)
         batch_size = (int(model_flags[model_flags.index("--batch-size") + 1])
                       if "--batch-size" in model_flags else default[0])
@@ -93,8 +83,8 @@ def run_rows(rows, jobs):
 def expected_work(row):
     """Rough cost of a row, to start the longest first: forward and backward passes run."""
     accum = row.argv[row.argv.index("--accum-steps") + 1] if "--accum-steps" in row.argv else None
-    passes = int(accum) if accum else default_accum_steps(row.script)
-    return passes * (2 if is_distributed(row.script) else 1)  # sharding doubles the operators
+    passes = int(accum) if accum else step_of(row.script).accum_steps
+    return passes * (2 if step_of(row.script).sharded else 1)  # sharding doubles the operators
 
 
 def report_progress(done, row, outcome, total):
@@ -215,7 +205,7 @@ def main(argv=None):
     flags = model_flags(args)
     rows = [row for script in scripts
             for row in rows_for(script, args.preset, args.device, args.world_size, flags, args.gpu)]
-    fewer = sorted({row.world_size for row in rows if is_distributed(row.script)} - {args.world_size})
+    fewer = sorted({row.world_size for row in rows if step_of(row.script).sharded} - {args.world_size})
     if fewer:
         notes.append(f"the distributed steps run on {fewer[0]} of the {args.world_size} GPUs "
                      "(--world-size): the batch does not split into equal micro-batches over more")
@@ -225,7 +215,7 @@ def main(argv=None):
     print(f"\n{PER_PARAMETER_NOTE} On a GPU: its own bytes, without what 08-09 offload.\n")
     if args.gpu_memory is not None:
         fits = search_all(rows, outcomes, args.capacity, args.jobs,
-                          lambda script: default_accum_steps(script) > 1)
+                          lambda script: step_of(script).accum_steps > 1)
         print(fit_table(fits, args.gpu_memory) + "\n")
         notes += [f"{fit.script}: {fit.problem}" for fit in fits if fit.problem]
     for row, (_, problem, _) in zip(rows, outcomes):

@@ -252,7 +252,7 @@ def publish(results_dir, names, publish_dir):
 
 
 def parse_args(argv=None, scripts=()):
-    parser = argparse.ArgumentParser(description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m tour", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", choices=sorted(PRESETS), default=DEFAULT_PRESET,
                         help=f"passed to every script (default: {DEFAULT_PRESET}; tiny-text: "

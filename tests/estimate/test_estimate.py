@@ -312,6 +312,21 @@ def test_a_broken_contract_stops_the_estimate_naming_the_name(tmp_path, old, new
     assert "estimate/contract.py" in str(stop.value)
 
 
+def test_the_estimate_stands_in_for_exactly_the_names_of_the_contract():
+    from estimate.contract import REQUIRED, REQUIRED_WHEN_DISTRIBUTED
+    from estimate.fake_run import FakeRun, stand_ins
+    replaced = stand_ins(FakeRun(script="07_fsdp", emulate_cuda=True), world_size=2)
+    assert replaced.keys() == REQUIRED.keys() | REQUIRED_WHEN_DISTRIBUTED.keys()
+
+
+def test_a_sharded_script_that_fills_its_shards_another_way_is_refused(tmp_path):
+    renamed = edited_copy(tmp_path, "07", "fill_shards, transformer_blocks",
+                          "fill_shards as copy_weights, transformer_blocks")
+    renamed.write_text(renamed.read_text().replace("fill_shards(", "copy_weights("))
+    with pytest.raises(EstimateError, match="does not import `fill_shards`"):
+        predict(renamed, [])
+
+
 def test_a_script_that_starts_its_own_process_group_is_refused(tmp_path):
     call = "    _, world_size, device = init_distributed(args.device)"
     own_group = edited_copy(tmp_path, "07", call, "    dist.init_process_group('gloo')\n" + call)
