@@ -102,3 +102,37 @@ def test_a_few_steps_of_the_leaner_optimizers_lower_the_loss(name, tmp_path):
     record, _ = run_script(name, ["--epochs", "1", "--max-steps", "12"], tmp_path)
     losses = record["losses"]
     assert sum(losses[-4:]) / 4 < sum(losses[:4]) / 4 - 0.1, losses
+
+
+@pytest.mark.numerical
+def test_checkpointing_on_one_device_trains_as_04(tmp_path):
+    """Recomputing the blocks in backward changes when the work is done, not its result."""
+    runs = {}
+    for name in ("04", "05c"):
+        module = load_script(name)
+        module.DTYPE = torch.float32  # compare in float32, as the optimizer-in-backward test does
+        record, meter = run_script(name, QUICK, tmp_path / name, module)
+        runs[name] = record["losses"], [param.detach() for param in meter.model.parameters()]
+    assert_follows(runs["05c"][0], runs["04"][0])
+    for ours, theirs in zip(runs["05c"][1], runs["04"][1], strict=True):
+        assert_follows(ours, theirs, what="parameters")
+
+
+def test_checkpointing_on_one_device_keeps_fewer_activations(quick_records, tmp_path):
+    record, _ = run_script("05c", QUICK, tmp_path)
+    plain = quick_records["04"]
+    assert record["breakdown_bytes"]["activations"] < 0.7 * plain["breakdown_bytes"]["activations"]
+    assert record["peak_memory_bytes"] < plain["peak_memory_bytes"]
+    for kept in ("parameters", "gradients", "optimizer_state"):  # the model state is 04's
+        assert record["breakdown_bytes"][kept] == plain["breakdown_bytes"][kept]
+
+
+@pytest.mark.parametrize("preset", ["tiny", "tiny-text"])
+def test_checkpointing_recomputes_at_most_one_forward(preset):
+    """benchmarks/recompute_flops.py counts it: backward grows by more than half a forward (every
+    block runs again) and by no more than one (nothing runs twice over)."""
+    from benchmarks.recompute_flops import forward_backward_flops
+    from common.presets import get_preset
+    forward, plain = forward_backward_flops(get_preset(preset), 2, checkpointed=False)
+    _, checkpointed = forward_backward_flops(get_preset(preset), 2, checkpointed=True)
+    assert 0.5 * forward < checkpointed - plain <= forward

@@ -1,0 +1,88 @@
+"""Benchmark: the compute that activation checkpointing adds, counted, not timed.
+
+  python benchmarks/recompute_flops.py [--presets tiny tiny-text article imdb]
+
+For each preset it runs one forward and backward of one micro-batch (04's: the preset's batch
+over 04's --accum-steps) on fake tensors (shapes without values, as the estimate runs a script,
+so no weights, data or GPU are needed), under PyTorch's FlopCounterMode, once with the model as
+04 trains it and once with its transformer blocks wrapped as 05c wraps them. It prints the
+floating-point operations of forward, of 04's backward and of 05c's backward, and what 05c's
+backward adds as a share of the forward: the recomputation. The share is below 1 where
+PyTorch's non-reentrant checkpoint stops recomputing a block once it has recreated the last
+tensor backward needs (the work after it, such as a block's last matrix product, is not redone).
+"""
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from common.model import model_class, model_config, transformer_blocks  # noqa: E402
+from common.presets import get_preset, is_text  # noqa: E402
+from steps import STEPS  # noqa: E402
+from estimate.fake_tensor_patches import FakeModeReadingZeros  # noqa: E402
+from estimate.script_import import import_script  # noqa: E402
+
+
+def micro_batch(preset, size):
+    """Inputs and labels of `size` samples of `preset`, as fake tensors (shapes only)."""
+    labels = torch.zeros(size, dtype=torch.long)
+    if is_text(preset):
+        shape = (size, preset.max_length)
+        return dict(input_ids=torch.zeros(shape, dtype=torch.long),
+                    attention_mask=torch.ones(shape, dtype=torch.long)), labels
+    images = torch.empty(size, 3, preset.image_size, preset.image_size,
+                         dtype=torch.bfloat16)
+    return dict(pixel_values=images), labels
+
+
+def counted(function):
+    with FlopCounterMode(display=False) as counter:
+        result = function()
+    return counter.get_total_flops(), result
+
+
+def forward_backward_flops(preset, size, checkpointed):
+    """(forward FLOPs, backward FLOPs) of one micro-batch of `size`, 04's model or 05c's."""
+    with FakeModeReadingZeros(allow_non_fake_inputs=True):
+        return fake_forward_backward_flops(preset, size, checkpointed)
+
+
+def fake_forward_backward_flops(preset, size, checkpointed):
+    model = model_class(preset)._from_config(model_config(preset), dtype=torch.bfloat16)
+    if checkpointed:
+        wrapper = import_script(STEPS["05c"].path).CheckpointedBlock
+        blocks = transformer_blocks(model)
+        for index, block in enumerate(blocks):
+            blocks[index] = wrapper(block)
+    model.train()
+    inputs, labels = micro_batch(preset, size)
+    forward, loss = counted(lambda: torch.nn.functional.cross_entropy(model(**inputs).logits, labels))
+    backward, _ = counted(loss.backward)
+    return forward, backward
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--presets", nargs="+", default=["tiny", "tiny-text", "article", "imdb"])
+    args = parser.parse_args(argv)
+    accum_steps = STEPS["04"].accum_steps
+    print("| preset | micro-batch | forward GFLOP | backward, 04 | backward, 05c | recomputed / forward "
+          "| 05c / 04, forward and backward |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for name in args.presets:
+        preset = get_preset(name)
+        size = preset.batch_size // accum_steps
+        forward, plain = forward_backward_flops(preset, size, checkpointed=False)
+        _, checkpointed = forward_backward_flops(preset, size, checkpointed=True)
+        print(f"| {name} | {size} | {forward / 1e9:,.2f} | {plain / 1e9:,.2f} | "
+              f"{checkpointed / 1e9:,.2f} | {(checkpointed - plain) / forward:.2f} | "
+              f"{(forward + checkpointed) / (forward + plain):.2f}x |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
