@@ -103,10 +103,15 @@ def test_the_allocator_counts_the_eager_first_step_as_memtracker_does(tmp_path):
 @pytest.mark.timeout(120)
 def test_the_allocator_counts_what_the_optimizer_step_makes_as_optimizer_state(tmp_path):
     """04 (bfloat16, micro-batches), one step: Adam's state, made in the optimizer step, is
-    optimizer state by both counts (to a few bytes), not activations."""
+    optimizer state by both counts (to a few bytes), not activations.
+
+    oneDNN off: on a CPU with AMX its bfloat16 convolution backward (ViT's patch embedding)
+    takes 7.4 MB of scratch buffers from the allocator, which no tensor holds, so MemTracker
+    does not see them and the allocator's peak moves there, before Adam's state exists."""
     script = load_script("04")
     AlsoCountingAllocations(script)
-    _, meter = run_script("04", [*QUICK, "--max-steps", "1"], tmp_path, module=script)
+    with torch.backends.mkldnn.flags(enabled=False):
+        _, meter = run_script("04", [*QUICK, "--max-steps", "1"], tmp_path, module=script)
     stats = device_snapshot(meter.allocations.get_tracker_snapshot("peak"), torch.device("cpu"))
     counted = fold_breakdown(stats)["optimizer_state"]
     assert counted == pytest.approx(meter.breakdown["optimizer_state"], abs=1024) and counted > 0
