@@ -48,6 +48,7 @@ STEPS = {step.id: step for step in [
     Step("03", "bf16-true", "02"),
     Step("04", "gradient accumulation", "03"),
     Step("04a", "optimizer in backward", "03"),
+    Step("04b", "stochastic rounding", "03"),
     Step("05", "plain SGD", "04"),
     Step("05a", "8-bit AdamW", "04"),
     Step("05b", "Adafactor", "04"),

@@ -1,7 +1,8 @@
 """Every architecture docs/estimator.md names, on every script and branch: it trains for two optimizer
 steps on the CPU, and the estimate without GPU emulation (--device cpu) predicts that run's peak
 and its breakdown to the byte. 07-09 run as one process here (a group of one), and as two
-processes under torchrun for an encoder, a grouped-query decoder and a vision model.
+processes under torchrun for an encoder and a grouped-query decoder (ViT, the vision model, in
+tests/test_distributed.py).
 """
 import json
 import math

@@ -136,3 +136,41 @@ def test_checkpointing_recomputes_at_most_one_forward(preset):
     forward, plain = forward_backward_flops(get_preset(preset), 2, checkpointed=False)
     _, checkpointed = forward_backward_flops(get_preset(preset), 2, checkpointed=True)
     assert 0.5 * forward < checkpointed - plain <= forward
+
+
+def mean_and_its_spread(rounded, lower, upper, share_up):
+    """The mean of `rounded` (each `lower` or `upper`) in float64, and the standard deviation of
+    that mean if each rounds up with probability `share_up` on its own (a binomial count)."""
+    count = rounded.numel()
+    spread = (upper - lower) * (share_up * (1 - share_up) / count) ** 0.5
+    return rounded.double().mean().item(), spread
+
+
+def test_stochastic_rounding_is_right_on_average():
+    """1 + 2^-10 lies between the bfloat16 numbers 1 and 1 + 2^-7, an eighth of the way up."""
+    stochastic_round = load_script("04b").stochastic_round
+    torch.manual_seed(0)
+    value = 1 + 2**-10
+    rounded = stochastic_round(torch.full((2**20,), value))
+    assert rounded.dtype == torch.bfloat16
+    assert set(rounded.unique().tolist()) == {1.0, 1 + 2**-7}
+    mean, spread = mean_and_its_spread(rounded, 1.0, 1 + 2**-7, share_up=1 / 8)
+    assert abs(mean - value) < 6 * spread  # one chance in 10^8 of failing by bad luck
+    assert stochastic_round(torch.tensor([-value] * 4096)).double().mean().item() < -1.0  # sign kept
+
+
+def test_the_updates_03_rounds_away_are_kept_on_average():
+    """Adam's first step moves every weight by the learning rate; 1e-4 from a weight of 1 is a
+    fortieth of the gap to the next bfloat16 number below (2^-8), so 03's Adam loses it."""
+    optimizer_class = load_script("04b").AdamStochasticRounding
+    torch.manual_seed(0)
+    lr, gap = 1e-4, 2**-8
+    weights = {}
+    for name, make in (("03", torch.optim.Adam), ("04b", optimizer_class)):
+        weight = torch.nn.Parameter(torch.ones(2**20, dtype=torch.bfloat16))
+        weight.grad = torch.ones_like(weight)
+        make([weight], lr=lr).step()
+        weights[name] = weight.detach()
+    assert torch.all(weights["03"] == 1.0)  # every update rounded away
+    mean, spread = mean_and_its_spread(weights["04b"], 1 - gap, 1.0, share_up=1 - lr / gap)
+    assert abs(mean - (1 - lr)) < 6 * spread

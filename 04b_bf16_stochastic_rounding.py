@@ -1,0 +1,126 @@
+"""04b bf16 stochastic rounding: 03 with Adam's step rounded into bfloat16 at random.
+
+A branch of 03 beside step 04 (`diff 03_bf16.py 04b_bf16_stochastic_rounding.py`). In 03 Adam
+adds each update to a bfloat16 weight, rounded to the nearest bfloat16 number: an update smaller
+than half the gap between neighbouring numbers (8 bits of mantissa: 0.4% of the weight) is lost
+every time. Here the step is computed in float32 and rounded up or down at random, to the upper
+neighbour with probability (x - lower) / (upper - lower): each rounding may still be off, but on
+average it loses nothing, so many small updates add up as they would in float32. Adam's two
+states are rounded the same way. Nothing more is kept (no float32 copy, no compensation buffer):
+the 8 bytes per parameter of 03; the float32 work runs a chunk of a tensor at a time.
+
+  python %(prog)s                                  # tiny preset: offline, about 30 s on a laptop CPU
+  python %(prog)s --preset article                 # the study: ViT-L/16 on CIFAR-10 (GPU and network)
+  python %(prog)s --preset tiny-text               # text: a pretrained MiniLM on movie reviews
+  python %(prog)s --estimate                       # predict peak GPU memory without a GPU
+"""
+import torch
+import torch.nn.functional as F
+
+# --estimate runs main() on fake tensors with stand-ins for these names (no data, no download):
+# keep importing them by name. The list and the reasons: estimate/contract.py.
+from common.cli import parse_args
+from common.data import load_data, to_device
+from common.evaluate import evaluate
+from common.memory import MemoryMeter, measure_creation
+from common.model import create_model
+from common.presets import preset_for
+from common.progress import Progress
+from common.summary import report
+
+DTYPE = torch.bfloat16  # bf16-true: weights, gradients, optimizer state and activations
+
+
+def stochastic_round(values):  # stochastic rounding: float32 to bfloat16, up or down at random
+    """`values` (float32) as bfloat16, each rounded to one of its two bfloat16 neighbours, the
+    nearer more often: adding random low 16 bits, then cutting them off, carries into the kept
+    bits with probability (x - lower) / (upper - lower)."""
+    bits = values.view(torch.int32)
+    noise = torch.randint_like(bits, 0, 1 << 16)
+    return ((bits + noise) & -(1 << 16)).view(torch.float32).to(torch.bfloat16)  # exact: low bits 0
+
+
+class AdamStochasticRounding(torch.optim.Optimizer):  # stochastic rounding
+    """torch.optim.Adam's update (no weight decay) for bfloat16 weights and states, computed in
+    float32 a chunk at a time and written back with stochastic_round."""
+
+    def __init__(self, params, lr, betas=(0.9, 0.999), eps=1e-8, chunk=2**20):
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, chunk=chunk))
+
+    @torch.no_grad()
+    def step(self):
+        for group in self.param_groups:
+            (beta1, beta2), lr, eps = group["betas"], group["lr"], group["eps"]
+            for param in (param for param in group["params"] if param.grad is not None):
+                state = self.state[param]
+                if not state:  # bfloat16 states, as 03's Adam keeps them
+                    state.update(step=0, exp_avg=torch.zeros_like(param),
+                                 exp_avg_sq=torch.zeros_like(param))
+                state["step"] += 1
+                bias1, bias2 = 1 - beta1 ** state["step"], 1 - beta2 ** state["step"]
+                chunks = (tensor.view(-1).split(group["chunk"]) for tensor in
+                          (param, param.grad, state["exp_avg"], state["exp_avg_sq"]))
+                for weight, grad, exp_avg, exp_avg_sq in zip(*chunks):  # float32 work, one chunk
+                    grad = grad.float()
+                    mean = exp_avg.float().lerp_(grad, 1 - beta1)
+                    square = exp_avg_sq.float().mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+                    exp_avg.copy_(stochastic_round(mean))
+                    exp_avg_sq.copy_(stochastic_round(square))
+                    denominator = square.div_(bias2).sqrt_().add_(eps)
+                    updated = weight.float().addcdiv_(mean, denominator, value=-lr / bias1)
+                    weight.copy_(stochastic_round(updated))
+
+
+def train_step(model, optimizer, inputs, labels, device):
+    """One optimizer step on one batch; returns the loss."""
+    inputs, labels = to_device(inputs, device, DTYPE), labels.to(device)  # bf16-true: bfloat16 images
+    logits = model(**inputs).logits
+    loss = F.cross_entropy(logits, labels)
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return loss.detach()
+
+
+def train(args, device):
+    preset = preset_for(args)  # the preset, with --model's classifier if one is named
+    torch.manual_seed(args.seed)
+
+    data = load_data(preset, args.batch_size, device, seed=args.seed)
+    total_steps = args.epochs * len(data.train)  # optimizer steps; the last partial batch is dropped
+    if args.max_steps:
+        total_steps = min(total_steps, args.max_steps)
+
+    with measure_creation(device) as creation:
+        model = create_model(preset).to(device, DTYPE)  # bf16-true
+    if args.compile:  # fused kernels, generated by the first call (seconds to minutes), then reused
+        model.compile()  # in place: the same module, parameters and state_dict names
+    optimizer = AdamStochasticRounding(model.parameters(), lr=args.lr or preset.lr)  # stochastic rounding
+
+    meter = MemoryMeter(device, model, optimizer)  # the peak of the first steps, by what it holds
+    progress = Progress(total_steps)  # progress lines, the losses and the training clock
+    model.train()
+    for epoch in range(args.epochs):
+        for inputs, labels in data.train:
+            with meter.step():
+                loss = train_step(model, optimizer, inputs, labels, device)
+            progress.step(epoch, loss)
+            if progress.steps == total_steps:
+                break
+        progress.epoch(epoch, args.epochs, evaluate(model, data.val, device, DTYPE))  # bf16-true
+        if progress.steps == total_steps:
+            break
+    test_accuracy = evaluate(model, data.test, device, DTYPE)  # bf16-true: bfloat16 inputs
+    return report(args, __file__, creation, meter, progress, test_accuracy)
+
+
+def main(argv=None):
+    args = parse_args(__doc__, argv)
+    if args.estimate:  # predict instead: this script's main() on fake tensors (estimate/)
+        from estimate import estimate
+        return estimate(__file__, argv)
+    return train(args, args.device)
+
+
+if __name__ == "__main__":
+    main()
