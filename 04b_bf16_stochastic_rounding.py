@@ -32,12 +32,14 @@ DTYPE = torch.bfloat16  # bf16-true: weights, gradients, optimizer state and act
 
 
 def stochastic_round(values):  # stochastic rounding: float32 to bfloat16, up or down at random
-    """`values` (float32) as bfloat16, each rounded to one of its two bfloat16 neighbours, the
-    nearer more often: adding random low 16 bits, then cutting them off, carries into the kept
-    bits with probability (x - lower) / (upper - lower)."""
+    """`values` (float32) rounded to one of their two bfloat16 neighbours, the nearer more often,
+    still as float32 (so that copying them into a bfloat16 tensor is exact): adding random low 16
+    bits, then cutting them off, carries into the kept bits with probability
+    (x - lower) / (upper - lower)."""
     bits = values.view(torch.int32)
     noise = torch.randint_like(bits, 0, 1 << 16)
-    return ((bits + noise) & -(1 << 16)).view(torch.float32).to(torch.bfloat16)  # exact: low bits 0
+    rounded = ((bits + noise) & -(1 << 16)).view(torch.float32)
+    return torch.where(values.isnan(), values, rounded)  # a NaN's carry could make it 0 or inf
 
 
 class AdamStochasticRounding(torch.optim.Optimizer):  # stochastic rounding
@@ -46,6 +48,9 @@ class AdamStochasticRounding(torch.optim.Optimizer):  # stochastic rounding
 
     def __init__(self, params, lr, betas=(0.9, 0.999), eps=1e-8, chunk=2**20):
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, chunk=chunk))
+        for param in (param for group in self.param_groups for param in group["params"]):
+            if param.dtype != torch.bfloat16:  # float32 work on a float32 weight would alias it
+                raise TypeError(f"AdamStochasticRounding updates bfloat16 weights, not {param.dtype}")
 
     @torch.no_grad()
     def step(self):

@@ -152,11 +152,13 @@ def test_stochastic_rounding_is_right_on_average():
     torch.manual_seed(0)
     value = 1 + 2**-10
     rounded = stochastic_round(torch.full((2**20,), value))
-    assert rounded.dtype == torch.bfloat16
+    assert torch.equal(rounded.to(torch.bfloat16).float(), rounded)  # bfloat16 numbers already
     assert set(rounded.unique().tolist()) == {1.0, 1 + 2**-7}
     mean, spread = mean_and_its_spread(rounded, 1.0, 1 + 2**-7, share_up=1 / 8)
     assert abs(mean - value) < 6 * spread  # one chance in 10^8 of failing by bad luck
     assert stochastic_round(torch.tensor([-value] * 4096)).double().mean().item() < -1.0  # sign kept
+    nan_bits = torch.tensor([0x7FFFFFFF, -1, 0x7FC00000], dtype=torch.int32)  # -1: 0xFFFFFFFF
+    assert stochastic_round(nan_bits.view(torch.float32).repeat(1000)).isnan().all()  # no carry
 
 
 def test_the_updates_03_rounds_away_are_kept_on_average():
