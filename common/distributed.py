@@ -26,7 +26,8 @@ def cuda_index(local_rank, visible, restricted, torchrun=False):
     """The GPU for the process with this local rank when it sees `visible` GPUs.
 
     torchrun shows every process of a machine the same GPUs (CUDA_VISIBLE_DEVICES, if set, is
-    passed on unchanged): process N takes GPU N, so a machine needs one visible GPU per process
+    passed on unchanged; under --virtual-local-rank it shows each its own, as local rank 0,
+    which this also gives): process N takes GPU N, so a machine needs one visible GPU per process
     (with CUDA_VISIBLE_DEVICES=0 and --nproc_per_node=2 both would take GPU 0, and NCCL would
     stop on a "Duplicate GPU"). Another launcher that shows each process only its own GPU
     (`restricted`: CUDA_VISIBLE_DEVICES set for it, as SLURM's --gpus-per-task does) leaves one

@@ -3,8 +3,8 @@ before the first step): bfloat16 needs compute capability 8.0 (A100, RTX 30xx an
 
 On a V100 (7.0) or a T4 (7.5) PyTorch still runs bfloat16 tensors, emulated in float32 arithmetic:
 the memory is that of bfloat16, the time far longer, and torch.compile's Inductor leaves such code
-to eager mode without saying so. Steps 03 on hold bfloat16 weights; 02 (float16 autocast) is the
-step such a GPU runs fast.
+to eager mode (with a warning that it skips bfloat16 compilation, which is easy to miss). Steps
+03 on hold bfloat16 weights; 02 (float16 autocast) is the step such a GPU runs fast.
 """
 import warnings
 
