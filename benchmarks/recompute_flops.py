@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from common.model import model_class, model_config, transformer_blocks  # noqa: E402
-from common.presets import get_preset, is_text  # noqa: E402
+from common.presets import PRESETS, get_preset, is_text  # noqa: E402
 from steps import STEPS  # noqa: E402
 from estimate.fake_tensor_patches import FakeModeReadingZeros  # noqa: E402
 from estimate.script_import import import_script  # noqa: E402
@@ -68,7 +68,8 @@ def fake_forward_backward_flops(preset, size, checkpointed):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--presets", nargs="+", default=["tiny", "tiny-text", "article", "imdb"])
+    parser.add_argument("--presets", nargs="+", choices=list(PRESETS),
+                        default=["tiny", "tiny-text", "article", "imdb"])
     args = parser.parse_args(argv)
     accum_steps = STEPS["04"].accum_steps
     print("| preset | micro-batch | forward GFLOP | backward, 04 | backward, 05c | recomputed / forward "

@@ -26,18 +26,24 @@ def test_every_numbered_script_is_registered_and_every_entry_has_its_script():
     assert on_disk == sorted(step.path for step in STEPS.values())
 
 
+def assert_trains_as(branch, parent, results_dir):
+    """`branch` and `parent` run in float32 (only the order or the timing of the work differs):
+    the same losses and weights, within rounding."""
+    runs = {}
+    for name in (parent, branch):
+        module = load_script(name)
+        module.DTYPE = torch.float32
+        record, meter = run_script(name, QUICK, results_dir / name, module)
+        runs[name] = record["losses"], [param.detach() for param in meter.model.parameters()]
+    assert_follows(runs[branch][0], runs[parent][0])
+    for ours, theirs in zip(runs[branch][1], runs[parent][1], strict=True):
+        assert_follows(ours, theirs, what="parameters")
+
+
 @pytest.mark.numerical
 def test_the_optimizer_in_backward_takes_03s_step(tmp_path):
-    """One Adam per weight, stepped during backward, updates as one Adam after it (float32)."""
-    runs = {}
-    for name in ("03", "04a"):
-        module = load_script(name)
-        module.DTYPE = torch.float32  # compare in float32: only the order of the work differs
-        record, meter = run_script(name, QUICK, tmp_path / name, module)
-        runs[name] = record["losses"], [param.detach() for param in meter.model.parameters()]
-    assert_follows(runs["04a"][0], runs["03"][0])
-    for ours, theirs in zip(runs["04a"][1], runs["03"][1], strict=True):
-        assert_follows(ours, theirs, what="parameters")
+    """One Adam per weight, stepped during backward, updates as one Adam after it."""
+    assert_trains_as("04a", "03", tmp_path)
 
 
 def test_the_optimizer_in_backward_holds_one_parameters_gradient_at_most(tmp_path, monkeypatch):
@@ -107,15 +113,7 @@ def test_a_few_steps_of_the_leaner_optimizers_lower_the_loss(name, tmp_path):
 @pytest.mark.numerical
 def test_checkpointing_on_one_device_trains_as_04(tmp_path):
     """Recomputing the blocks in backward changes when the work is done, not its result."""
-    runs = {}
-    for name in ("04", "05c"):
-        module = load_script(name)
-        module.DTYPE = torch.float32  # compare in float32, as the optimizer-in-backward test does
-        record, meter = run_script(name, QUICK, tmp_path / name, module)
-        runs[name] = record["losses"], [param.detach() for param in meter.model.parameters()]
-    assert_follows(runs["05c"][0], runs["04"][0])
-    for ours, theirs in zip(runs["05c"][1], runs["04"][1], strict=True):
-        assert_follows(ours, theirs, what="parameters")
+    assert_trains_as("05c", "04", tmp_path)
 
 
 def test_checkpointing_on_one_device_keeps_fewer_activations(quick_records, tmp_path):
