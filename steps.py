@@ -53,6 +53,7 @@ STEPS = {step.id: step for step in [
     Step("05a", "8-bit AdamW", "04"),
     Step("05b", "Adafactor", "04"),
     Step("05c", "checkpointing on one device", "04"),
+    Step("05d", "selective checkpointing", "05c"),
     Step("06", "on-device init", "05"),
     Step("07", "FSDP", "06", sharded=True),
     Step("08", "offload", "07", sharded=True),

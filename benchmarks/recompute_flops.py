@@ -5,11 +5,14 @@
 For each preset it runs one forward and backward of one micro-batch (04's: the preset's batch
 over 04's --accum-steps) on fake tensors (shapes without values, as the estimate runs a script,
 so no weights, data or GPU are needed), under PyTorch's FlopCounterMode, once with the model as
-04 trains it and once with its transformer blocks wrapped as 05c wraps them. It prints the
-floating-point operations of forward, of 04's backward and of 05c's backward, and what 05c's
-backward adds as a share of the forward: the recomputation. The share is below 1 where
-PyTorch's non-reentrant checkpoint stops recomputing a block once it has recreated the last
+04 trains it and once each with its transformer blocks wrapped as 05c (and 09) and as 05d wrap
+them. It prints the floating-point operations of forward, of 04's backward and of 05c's and
+05d's, and what each adds as a share of the forward: the recomputation. 05c's share is below 1
+where PyTorch's non-reentrant checkpoint stops recomputing a block once it has recreated the last
 tensor backward needs (the work after it, such as a block's last matrix product, is not redone).
+05d keeps the outputs of the matrix products and attention, the operators FlopCounterMode counts,
+so what it recomputes (element-wise and normalisation operators) counts as none: its cost is in
+memory traffic, seen in its time, not in FLOPs.
 """
 import argparse
 import sys
@@ -46,16 +49,17 @@ def counted(function):
     return counter.get_total_flops(), result
 
 
-def forward_backward_flops(preset, size, checkpointed):
-    """(forward FLOPs, backward FLOPs) of one micro-batch of `size`, 04's model or 05c's."""
+def forward_backward_flops(preset, size, wrapped_as=None):
+    """(forward FLOPs, backward FLOPs) of one micro-batch of `size`: 04's model, or with its
+    blocks wrapped as the script of step `wrapped_as` ("05c", "05d") wraps them."""
     with FakeModeReadingZeros(allow_non_fake_inputs=True):
-        return fake_forward_backward_flops(preset, size, checkpointed)
+        return fake_forward_backward_flops(preset, size, wrapped_as)
 
 
-def fake_forward_backward_flops(preset, size, checkpointed):
+def fake_forward_backward_flops(preset, size, wrapped_as):
     model = model_class(preset)._from_config(model_config(preset), dtype=torch.bfloat16)
-    if checkpointed:
-        wrapper = import_script(STEPS["05c"].path).CheckpointedBlock
+    if wrapped_as:
+        wrapper = import_script(STEPS[wrapped_as].path).CheckpointedBlock
         blocks = transformer_blocks(model)
         for index, block in enumerate(blocks):
             blocks[index] = wrapper(block)
@@ -72,17 +76,19 @@ def main(argv=None):
                         default=["tiny", "tiny-text", "article", "imdb"])
     args = parser.parse_args(argv)
     accum_steps = STEPS["04"].accum_steps
-    print("| preset | micro-batch | forward GFLOP | backward, 04 | backward, 05c | recomputed / forward "
-          "| 05c / 04, forward and backward |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    print("| preset | micro-batch | forward GFLOP | backward, 04 | backward, 05c | recomputed / forward, "
+          "05c | 05c / 04, forward and backward | recomputed / forward, 05d |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for name in args.presets:
         preset = get_preset(name)
         size = preset.batch_size // accum_steps
-        forward, plain = forward_backward_flops(preset, size, checkpointed=False)
-        _, checkpointed = forward_backward_flops(preset, size, checkpointed=True)
+        forward, plain = forward_backward_flops(preset, size)
+        _, checkpointed = forward_backward_flops(preset, size, "05c")
+        _, selective = forward_backward_flops(preset, size, "05d")
         print(f"| {name} | {size} | {forward / 1e9:,.2f} | {plain / 1e9:,.2f} | "
               f"{checkpointed / 1e9:,.2f} | {(checkpointed - plain) / forward:.2f} | "
-              f"{(forward + checkpointed) / (forward + plain):.2f}x |", flush=True)
+              f"{(forward + checkpointed) / (forward + plain):.2f}x | "
+              f"{(selective - plain) / forward:.2f} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -10,11 +10,14 @@ from conftest import QUICK, assert_follows, load_script, run_script, script_path
 
 
 def test_a_branch_starts_from_the_parent_of_its_step():
-    """05a is another choice at step 05: like 05 it starts from 04, and says so in the tables."""
+    """05a is another choice at step 05: like 05 it starts from 04, and says so in the tables.
+    A branch may instead start from an earlier branch of its step (05d from 05c)."""
     for step in STEPS.values():
         if step.is_branch:
             main_line = STEPS[step.id[:2]]
-            assert step.parent == main_line.parent and step.sharded == main_line.sharded
+            earlier_branch = step.parent[:2] == step.id[:2] and step.parent < step.id
+            assert step.parent == main_line.parent or earlier_branch, step
+            assert step.sharded == main_line.sharded or not step.sharded
     assert step_id(script_path("05a").name) == "05a"
     assert with_parent("05a_adamw_8bit.py") == "05a_adamw_8bit (branch of 04)"
     assert with_parent("05_sgd_cosine") == "05_sgd_cosine"
@@ -126,14 +129,33 @@ def test_checkpointing_on_one_device_keeps_fewer_activations(quick_records, tmp_
 
 
 @pytest.mark.parametrize("preset", ["tiny", "tiny-text"])
-def test_checkpointing_recomputes_at_most_one_forward(preset):
-    """benchmarks/recompute_flops.py counts it: backward grows by more than half a forward (every
-    block runs again) and by no more than one (nothing runs twice over)."""
+def test_checkpointing_recomputes_at_most_one_forward_and_selective_no_matrix_product(preset):
+    """benchmarks/recompute_flops.py counts it: 05c's backward grows by more than half a forward
+    (every block runs again) and by no more than one (nothing runs twice over); 05d's not at all,
+    since FlopCounterMode counts the matrix products and attention, whose outputs 05d keeps."""
     from benchmarks.recompute_flops import forward_backward_flops
     from common.presets import get_preset
-    forward, plain = forward_backward_flops(get_preset(preset), 2, checkpointed=False)
-    _, checkpointed = forward_backward_flops(get_preset(preset), 2, checkpointed=True)
+    forward, plain = forward_backward_flops(get_preset(preset), 2)
+    _, checkpointed = forward_backward_flops(get_preset(preset), 2, "05c")
+    _, selective = forward_backward_flops(get_preset(preset), 2, "05d")
     assert 0.5 * forward < checkpointed - plain <= forward
+    assert selective == plain
+
+
+@pytest.mark.numerical
+def test_selective_checkpointing_trains_as_05c(tmp_path):
+    """Reusing saved outputs instead of recomputing them changes no result."""
+    assert_trains_as("05d", "05c", tmp_path)
+
+
+def test_selective_checkpointing_keeps_activations_between_04s_and_05cs(quick_records, tmp_path):
+    records = {name: run_script(name, QUICK, tmp_path / name)[0] for name in ("05c", "05d")}
+    activations = {name: record["breakdown_bytes"]["activations"] for name, record in
+                   [*records.items(), ("04", quick_records["04"])]}
+    assert activations["05c"] < activations["05d"] < activations["04"]
+    peaks = {name: record["peak_memory_bytes"] for name, record in
+             [*records.items(), ("04", quick_records["04"])]}
+    assert peaks["05c"] < peaks["05d"] < peaks["04"]
 
 
 def mean_and_its_spread(rounded, lower, upper, share_up):

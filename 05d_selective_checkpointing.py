@@ -1,0 +1,129 @@
+"""05d selective activation checkpointing: 05c keeping the outputs of the matrix products and attention.
+
+05c recomputes every operator of a block in backward, the matrix products too: nearly all of
+the recomputation's FLOPs are theirs. Selective checkpointing asks, operator by operator, what to
+keep: here the outputs of the matrix products, the convolutions and attention (torchtitan's
+op-level policy) are saved in forward and reused, and only the cheap operators between them
+(normalisation, activation functions, dropout, additions) run again. Memory lands between 04's
+and 05c's, and the recomputation costs memory-bound element-wise kernels instead of a second
+forward's FLOPs. A branch of 05c:
+`diff 05c_activation_checkpointing.py 05d_selective_checkpointing.py` shows all of it.
+
+  python %(prog)s                                  # tiny preset: offline, about 30 s on a laptop CPU
+  python %(prog)s --preset article                 # the study: ViT-L/16 on CIFAR-10 (GPU and network)
+  python %(prog)s --preset tiny-text               # text: a pretrained MiniLM on movie reviews
+  python %(prog)s --estimate                       # predict peak GPU memory without a GPU
+"""
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint  # checkpointing on one device
+from torch.utils.checkpoint import create_selective_checkpoint_contexts  # selective checkpointing
+
+# --estimate runs main() on fake tensors with stand-ins for these names (no data, no download):
+# keep importing them by name. The list and the reasons: estimate/contract.py.
+from common.cli import parse_args
+from common.data import load_data, split_batch, to_device
+from common.evaluate import evaluate
+from common.memory import MemoryMeter, measure_creation
+from common.model import create_model, transformer_blocks
+from common.presets import preset_for
+from common.progress import Progress
+from common.summary import report
+
+DTYPE = torch.bfloat16  # bf16-true: weights, gradients, optimizer state and activations
+ATEN = torch.ops.aten  # selective checkpointing: the operators whose outputs forward keeps
+SAVED = [ATEN.mm.default, ATEN.addmm.default, ATEN.bmm.default,  # selective checkpointing
+         ATEN.baddbmm.default, ATEN.convolution.default,  # selective checkpointing
+         ATEN._scaled_dot_product_flash_attention_for_cpu.default,  # selective checkpointing
+         ATEN._scaled_dot_product_flash_attention.default,  # selective checkpointing
+         ATEN._scaled_dot_product_efficient_attention.default,  # selective checkpointing
+         ATEN._scaled_dot_product_cudnn_attention.default]  # selective checkpointing
+
+
+def keep_saved():  # selective checkpointing: a fresh pair of contexts for each checkpointed call
+    return create_selective_checkpoint_contexts(SAVED)
+
+
+class CheckpointedBlock(torch.nn.Module):  # checkpointing on one device
+    """Runs `block` keeping only its input for backward, where the block runs forward again."""
+
+    def __init__(self, block):
+        super().__init__()
+        self.block = block
+
+    def forward(self, hidden_states, *args, **kwargs):
+        # non-reentrant: the variant PyTorch recommends; it passes keyword arguments through.
+        return checkpoint(self.block, hidden_states, *args, use_reentrant=False,  # selective checkpointing
+                          context_fn=keep_saved, **kwargs)  # selective checkpointing
+
+    def __getattr__(self, name):  # checkpointing on one device: what the model reads of its blocks
+        try:  # (ModernBERT each block's attention_type) is read through the wrapper
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self.block, name)
+
+
+def train_step(model, optimizer, inputs, labels, device, accum_steps):  # gradient accumulation
+    """One optimizer step on one batch; returns the loss."""
+    # gradient accumulation: equal micro-batches, one at a time; their gradients add up in .grad
+    micro_size = len(labels) // accum_steps
+    micro_batches = split_batch(inputs, labels, micro_size)
+    batch_loss = 0.0
+    for micro_inputs, micro_labels in micro_batches:
+        micro_inputs = to_device(micro_inputs, device, DTYPE)  # bf16-true: bfloat16 images
+        micro_labels = micro_labels.to(device)
+        logits = model(**micro_inputs).logits
+        loss = F.cross_entropy(logits, micro_labels) / len(micro_batches)  # mean over the batch
+        loss.backward()
+        batch_loss += loss.detach().float()  # the record's loss, summed in float32
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return batch_loss  # gradient accumulation: the whole batch's mean loss
+
+
+def train(args, device):
+    preset = preset_for(args)  # the preset, with --model's classifier if one is named
+    torch.manual_seed(args.seed)
+
+    data = load_data(preset, args.batch_size, device, seed=args.seed)
+    total_steps = args.epochs * len(data.train)  # optimizer steps; the last partial batch is dropped
+    if args.max_steps:
+        total_steps = min(total_steps, args.max_steps)
+
+    with measure_creation(device) as creation:
+        model = create_model(preset).to(device, DTYPE)  # bf16-true
+    blocks = transformer_blocks(model)  # checkpointing on one device: wrap each block in place
+    for index, block in enumerate(blocks):
+        blocks[index] = CheckpointedBlock(block)
+    if args.compile:  # fused kernels, generated by the first call (seconds to minutes), then reused
+        model.compile()  # in place: the same module, parameters and state_dict names
+    optimizer = torch.optim.Adam(model.parameters(), lr=args.lr or preset.lr)
+
+    meter = MemoryMeter(device, model, optimizer)  # the peak of the first steps, by what it holds
+    progress = Progress(total_steps)  # progress lines, the losses and the training clock
+    model.train()
+    for epoch in range(args.epochs):
+        for inputs, labels in data.train:
+            with meter.step():
+                loss = train_step(model, optimizer, inputs, labels, device,  # gradient accumulation
+                                  args.accum_steps)
+            progress.step(epoch, loss)
+            if progress.steps == total_steps:
+                break
+        progress.epoch(epoch, args.epochs, evaluate(model, data.val, device, DTYPE))  # bf16-true
+        if progress.steps == total_steps:
+            break
+    test_accuracy = evaluate(model, data.test, device, DTYPE)  # bf16-true: bfloat16 inputs
+    return report(args, __file__, creation, meter, progress, test_accuracy)
+
+
+def main(argv=None):
+    args = parse_args(__doc__, argv, accum_steps=4)  # gradient accumulation: --accum-steps
+    if args.estimate:  # predict instead: this script's main() on fake tensors (estimate/)
+        from estimate import estimate
+        return estimate(__file__, argv)
+    return train(args, args.device)
+
+
+if __name__ == "__main__":
+    main()
