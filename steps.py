@@ -56,6 +56,7 @@ STEPS = {step.id: step for step in [
     Step("05d", "selective checkpointing", "05c"),
     Step("06", "on-device init", "05"),
     Step("07", "FSDP", "06", sharded=True),
+    Step("07a", "LoRA", "06"),
     Step("08", "offload", "07", sharded=True),
     Step("09", "checkpointing", "08", sharded=True),
 ]}

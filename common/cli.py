@@ -63,10 +63,12 @@ def say_interrupted(error_type, error, trace, previous=sys.excepthook):
     previous(error_type, error, trace)
 
 
-def parse_args(description, argv=None, accum_steps=None, sharded=False, no_accumulation=None):
+def parse_args(description, argv=None, accum_steps=None, sharded=False, no_accumulation=None,
+               lora=False):
     """Parse the shared flags; `accum_steps` (from step 04 on) adds --accum-steps with that
-    default, `sharded` (07 on) --reshard-after-forward; `no_accumulation`, the reason a script
-    refuses --accum-steps (04a), turns that flag into an error saying so.
+    default, `sharded` (07 on) --reshard-after-forward, `lora` (07a) --lora-rank, --lora-alpha
+    and --lora-targets; `no_accumulation`, the reason a script refuses --accum-steps (04a),
+    turns that flag into an error saying so.
 
     The preset the run trains, --model's classifier in place of the preset's own when given, is
     resolved here once and travels on `args` (`preset_for(args)` returns it).
@@ -117,6 +119,14 @@ def parse_args(description, argv=None, accum_steps=None, sharded=False, no_accum
                             help="true (default, ZeRO-3): each block's gathered weights are freed "
                                  "after its forward and gathered again in backward; false "
                                  "(ZeRO-2's memory): kept from forward to backward, one gather")
+    if lora:
+        parser.add_argument("--lora-rank", type=positive_int, default=8,
+                            help="the adapters' rank r (default: 8)")
+        parser.add_argument("--lora-alpha", type=positive_float, default=16.0,
+                            help="the adapters' scale is alpha / r (default: 16)")
+        parser.add_argument("--lora-targets", nargs="+", metavar="NAME",
+                            help="adapt only the linear layers of these names (query value; "
+                                 "q_proj v_proj); default: every linear layer of the blocks")
     args = parser.parse_args(argv)
 
     if args.estimate and importlib.util.find_spec("estimate") is None:

@@ -67,10 +67,27 @@ def fold_breakdown(stats):
     return breakdown
 
 
+class NoHook:
+    def remove(self):
+        pass
+
+
+class FrozenWeightsMemTracker(MemTracker):
+    """MemTracker for models with frozen weights (07a): torch 2.13's puts a gradient hook on every
+    parameter it meets, and a parameter that requires no gradient refuses hooks. Frozen ones are
+    marked as hooked already, so it counts them as parameters and hooks only the others."""
+
+    def _track_module_params_and_buffers(self, module, install_grad_hooks=True):
+        for parameter in module.parameters():
+            if not parameter.requires_grad:
+                self._param_to_grad_hook_handles.setdefault(parameter, (NoHook(), NoHook()))
+        return super()._track_module_params_and_buffers(module, install_grad_hooks)
+
+
 def memory_tracker(model, optimizer):
     """A MemTracker that knows the model and the optimizer (or list of optimizers) created
     before it starts."""
-    tracker = MemTracker()
+    tracker = FrozenWeightsMemTracker()
     tracker.track_external(model, *(optimizer if isinstance(optimizer, list) else [optimizer]))
     return tracker
 
@@ -116,6 +133,8 @@ class MemoryMeter:
         # the model's parameters, whole (a sharded one is a DTensor, whose shape is the whole's),
         # and the share of them this process holds: 1/N of each when N processes shard them
         self.parameter_count = sum(parameter.numel() for parameter in model.parameters())
+        self.trainable_count = sum(parameter.numel() for parameter in model.parameters()
+                                   if parameter.requires_grad)  # fewer when some are frozen (07a)
         self.parameters_held = self.parameter_count / (dist.get_world_size() if is_sharded(model)
                                                        else 1)
         self.tracker = None
@@ -182,6 +201,7 @@ class MemoryMeter:
         parameter at the peak, and on CUDA the allocator's own peaks over the whole run."""
         result = {"peak_memory_bytes": self.peak_bytes, "breakdown_bytes": self.breakdown,
                   "parameter_count": self.parameter_count,
+                  "trainable_parameter_count": self.trainable_count,
                   "model_state_bytes_per_parameter": model_state_bytes_per_parameter(
                       self.breakdown, self.parameters_held),
                   "tracked_steps": self.steps_seen,

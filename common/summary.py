@@ -25,6 +25,8 @@ RECORD_FIELDS = {
     "breakdown_bytes": ("always", "what fills that peak: parameters, gradients, "
                         "optimizer_state, activations, temporaries"),
     "parameter_count": ("always", "the model's parameters"),
+    "trainable_parameter_count": ("always", "those training updates (fewer where weights are "
+                                  "frozen: 07a's LoRA trains adapters and the head)"),
     "model_state_bytes_per_parameter": ("always", "parameters, gradients and optimizer state at "
                                         "the peak per parameter (of a process's share)"),
     "tracked_steps": ("always", "optimizer steps the meter tracked"),
@@ -133,6 +135,10 @@ def report(args, script, creation, meter, progress, test_accuracy):
         print(f"  counted from {memory['memory_counted_by']}: MemTracker cannot watch compiled code")
     print("  " + model_state_words(memory["model_state_bytes_per_parameter"],
                                    memory["parameter_count"], world_size))
+    trainable = memory["trainable_parameter_count"]
+    if trainable < memory["parameter_count"]:  # frozen weights (07a): say how few are trained
+        print(f"  trainable parameters: {trainable / 1e6:.3g}M "
+              f"({trainable / memory['parameter_count']:.2%} of the model's)")
     if "cuda_max_reserved_bytes" in memory:  # another window, another count: say which
         print(f"CUDA allocator, whole run (evaluation included): allocated "
               f"{mib(memory['cuda_max_allocated_bytes'])} | reserved "

@@ -9,8 +9,17 @@ and two blocks deep. docs/estimator.md's table of supported architectures is che
 import json
 import shutil
 
+from transformers.models.auto import tokenization_auto
+
 from common.packaged import fetch
 from common.presets import MINILM
+
+# transformers 5 ignores the tokenizer class a qwen2 directory names and loads Qwen2Tokenizer,
+# which reads MiniLM's vocabulary one character per token: no text is then shorter than SEQ_LEN,
+# no batch is padded, and transformers drops the attention mask (SDPA's is_causal) that the
+# estimate, which cannot see that a fake mask is all ones, counts. The matrix loads the WordPiece
+# tokenizer the directory names, as for the other decoders.
+getattr(tokenization_auto, "MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS", set()).discard("qwen2")
 
 VOCABULARY = 30522  # MiniLM's tokenizer
 TOKENIZER_FILES = ("vocab.txt", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
@@ -38,6 +47,8 @@ ARCHITECTURES = {
     "ViT": ("vit", dict(WIDE, image_size=32, patch_size=8)),
     "ResNet": ("resnet", dict(embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1])),
 }
+# what a script refuses for an architecture, and the words of its message
+REFUSED = {("ResNet", "07a"): "no linear layer for LoRA to adapt"}
 # what also runs as 2 processes: 07-09 for an encoder and a decoder with grouped-query attention
 # (fewer key and value heads than query heads); 09, which recomputes each block in backward, for
 # every decoder that would otherwise keep a key-value cache. The vision model, ViT, runs 07-09 as

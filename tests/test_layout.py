@@ -22,6 +22,9 @@ from conftest import QUICK, ROOT, script_path
 TAGS = {step.id: step.tag for step in STEPS.values() if step.tag}
 # 03 replaces 02's mixed precision: the lines it gives back to 01 need no tag of their own
 RESTORED_FROM = {"03": "01"}
+# techniques a step takes out on purpose: 03 mixed precision (bfloat16 replaces it), 07a plain
+# SGD (LoRA's adapters are few enough for Adam)
+REMOVED_ON_PURPOSE = {("03", "02"), ("07a", "05")}
 
 
 def comments(source):
@@ -92,8 +95,8 @@ def dropped_tags(before, after, step):
         if kind == "equal":
             continue
         for earlier_step, tag in TAGS.items():
-            if earlier_step >= step or (step, earlier_step) == ("03", "02"):
-                continue  # 03 removes mixed precision on purpose
+            if earlier_step >= step or (step, earlier_step) in REMOVED_ON_PURPOSE:
+                continue
             removed = sum(has_tag(old_notes.get(n + 1), tag) for n in range(old_first, old_last))
             kept = sum(has_tag(new_notes.get(n + 1), tag) for n in range(first, last))
             if kept < removed:

@@ -1,0 +1,90 @@
+"""07a's claims: LoRA leaves the pretrained weights as they were and trains only its adapters and
+the classification head, which start from the pretrained model's function; their gradients and
+Adam's state are all the model state it adds to the frozen weights; its flags do what they say."""
+import re
+
+import pytest
+import torch
+
+from conftest import QUICK, TEXT, load_script, run_script
+
+
+def adapters(model):
+    return [module for module in model.modules() if type(module).__name__ == "LoRALinear"]
+
+
+def test_lora_trains_the_adapters_and_the_head_and_nothing_else(small_snippets, tmp_path):
+    module = load_script("07a")
+    created = {}
+    create_model = module.create_model
+
+    def keeping_a_copy(*args, **kwargs):  # the pretrained weights, before any adapter
+        model = create_model(*args, **kwargs)
+        created.update({name: value.clone() for name, value in model.state_dict().items()})
+        return model
+
+    module.create_model = keeping_a_copy
+    record, meter = run_script("07a", [*TEXT, *QUICK], tmp_path, module)
+    model = meter.model
+    trained = {name for name, parameter in model.named_parameters() if parameter.requires_grad}
+    head = {name for name, _ in model.named_parameters() if name.startswith("classifier.")}
+    assert trained == head | {name for name in trained if ".down." in name or ".up." in name}
+    assert len(trained - head) == 2 * len(adapters(model)) == 2 * 6 * 6  # 6 linear layers, 6 blocks
+    for name, value in model.state_dict().items():  # the pretrained weights are untouched
+        original = name.replace(".base.", ".")
+        if ".down." not in name and ".up." not in name and not name.startswith("classifier."):
+            assert torch.equal(value, created[original]), name
+    assert all(adapter.up.weight.abs().sum() > 0 for adapter in adapters(model))  # trained
+    assert record["trainable_parameter_count"] == sum(model.get_parameter(name).numel()
+                                                      for name in trained)
+    assert record["trainable_parameter_count"] < 0.02 * record["parameter_count"]
+    state = meter.optimizer.state
+    assert {id(parameter) for parameter in state} == {id(model.get_parameter(n)) for n in trained}
+
+
+def test_adapters_start_from_the_pretrained_models_function():
+    """B is zero at first, so the adapted layer computes what the layer computed."""
+    module = load_script("07a")
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(16, 8, dtype=torch.bfloat16)
+    adapted = module.LoRALinear(layer, rank=4, alpha=8)
+    inputs = torch.randn(3, 16, dtype=torch.bfloat16)
+    assert torch.equal(adapted(inputs), layer(inputs))
+    adapted.up.weight.data.fill_(1)  # and an adapter's update is s * B A x
+    update = (adapted.scale * (inputs @ adapted.down.weight.T) @ adapted.up.weight.T)
+    assert torch.allclose(adapted(inputs) - layer(inputs), update, rtol=0.05, atol=0.05)
+
+
+def test_loras_model_state_is_the_frozen_weights_and_the_adapters(quick_records, tmp_path):
+    """Against 06, which trains every weight: gradients and optimizer state only for the trainable
+    parameters (bfloat16 gradients, Adam's two bfloat16 moments), and a lower peak."""
+    record, meter = run_script("07a", QUICK, tmp_path)
+    breakdown, trainable = record["breakdown_bytes"], record["trainable_parameter_count"]
+    steps = 4 * len(meter.optimizer.state)  # each tensor's step counter: a float32 number
+    assert breakdown["gradients"] <= 2 * trainable
+    # Adam's exp_avg and exp_avg_sq, in bfloat16
+    assert breakdown["optimizer_state"] == 4 * trainable + steps
+    assert record["peak_memory_bytes"] < quick_records["06"]["peak_memory_bytes"]
+
+
+def test_lora_on_a_model_trained_from_scratch_says_what_it_shows(tmp_path, capsys):
+    run_script("07a", QUICK, tmp_path)
+    assert "LoRA's frozen weights are random" in capsys.readouterr().out
+
+
+def test_lora_targets_choose_the_adapted_layers(tmp_path, capsys):
+    _, meter = run_script("07a", [*QUICK, "--lora-targets", "q_proj", "v_proj", "--lora-rank", "2"],
+                          tmp_path)
+    names = {name.rsplit(".", 3)[-3] for name, _ in meter.model.named_parameters()
+             if ".down." in name}
+    assert names == {"q_proj", "v_proj"}
+    assert all(adapter.down.weight.shape[0] == 2 for adapter in adapters(meter.model))
+    with pytest.raises(SystemExit, match=re.escape("no linear layer in the model's blocks is "
+                                                   "named query")):
+        run_script("07a", [*QUICK, "--lora-targets", "query"], tmp_path)
+
+
+def test_a_few_steps_of_lora_lower_the_loss(tmp_path):
+    record, _ = run_script("07a", ["--epochs", "1", "--max-steps", "12"], tmp_path)
+    losses = record["losses"]
+    assert sum(losses[-4:]) / 4 < sum(losses[:4]) / 4 - 0.1, losses
