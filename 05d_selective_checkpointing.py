@@ -17,7 +17,8 @@ forward's FLOPs. A branch of 05c:
 import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint  # checkpointing on one device
-from torch.utils.checkpoint import create_selective_checkpoint_contexts  # selective checkpointing
+# selective checkpointing: what to do with each operator's output, and the contexts that do it
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 # --estimate runs main() on fake tensors with stand-ins for these names (no data, no download):
 # keep importing them by name. The list and the reasons: estimate/contract.py.
@@ -40,8 +41,18 @@ SAVED = [ATEN.mm.default, ATEN.addmm.default, ATEN.bmm.default,  # selective che
          ATEN._scaled_dot_product_cudnn_attention.default]  # selective checkpointing
 
 
+def keep_or_recompute(context, op, *args, **kwargs):  # selective checkpointing: per operator
+    """Keep the output of a SAVED operator, unless it draws random numbers (a GPU's attention
+    with dropout): backward replays the random draws of what it recomputes, in order, and a
+    draw skipped there would give the dropout after it another mask than forward's."""
+    arguments = dict(zip((argument.name for argument in op._schema.arguments), args)) | kwargs
+    if op in SAVED and not arguments.get("dropout_p"):
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
 def keep_saved():  # selective checkpointing: a fresh pair of contexts for each checkpointed call
-    return create_selective_checkpoint_contexts(SAVED)
+    return create_selective_checkpoint_contexts(keep_or_recompute)
 
 
 class CheckpointedBlock(torch.nn.Module):  # checkpointing on one device

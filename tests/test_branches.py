@@ -142,6 +142,25 @@ def test_checkpointing_recomputes_at_most_one_forward_and_selective_no_matrix_pr
     assert selective == plain
 
 
+def test_selective_checkpointing_recomputes_attention_that_draws_random_numbers():
+    """A GPU's attention kernels draw dropout's random numbers themselves: keeping their output
+    would skip that draw in the recomputation and shift the dropout masks after it."""
+    module = load_script("05d")
+    aten, policy = torch.ops.aten, module.CheckpointPolicy
+    query = torch.zeros(1, 1, 2, 4)
+    for op, dropout in ((aten._scaled_dot_product_flash_attention.default, "dropout_p"),
+                        (aten._scaled_dot_product_efficient_attention.default, "dropout_p")):
+        arguments = (query, query, query, None, False) if "efficient" in op.name() else (query,) * 3
+        assert module.keep_or_recompute(None, op, *arguments) == policy.MUST_SAVE
+        assert module.keep_or_recompute(None, op, *arguments, **{dropout: 0.1}) == \
+            policy.PREFER_RECOMPUTE
+    flash_for_cpu = aten._scaled_dot_product_flash_attention_for_cpu.default
+    assert module.keep_or_recompute(None, flash_for_cpu, query, query, query, 0.1) == \
+        policy.PREFER_RECOMPUTE  # dropout_p given by position
+    assert module.keep_or_recompute(None, aten.mm.default, query, query) == policy.MUST_SAVE
+    assert module.keep_or_recompute(None, aten.gelu.default, query) == policy.PREFER_RECOMPUTE
+
+
 @pytest.mark.numerical
 def test_selective_checkpointing_trains_as_05c(tmp_path):
     """Reusing saved outputs instead of recomputing them changes no result."""
