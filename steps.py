@@ -54,6 +54,8 @@ STEPS = {step.id: step for step in [
     Step("05b", "Adafactor", "04"),
     Step("05c", "checkpointing on one device", "04"),
     Step("05d", "selective checkpointing", "05c"),
+    Step("05e", "activation offloading", "05c"),
+    Step("05f", "Adam on the host", "04"),
     Step("06", "on-device init", "05"),
     Step("07", "FSDP", "06", sharded=True),
     Step("07a", "LoRA", "06"),

@@ -10,10 +10,11 @@ other processes or a screen are replaced: `load_data` (batches of the preset's s
 process group of N ranks). Precision, autocast, loss scaling, accumulation, optimizer,
 scheduler, sharding, offload and checkpointing are the script's own code.
 
-The host side of the run (batches, and the model of steps 01-05 before `.to(device)`) lives on
-the meta device when a GPU is emulated, so that `.to(device)` copies as it does onto a GPU; the
-fake CPU tensors are the GPU. Values a step reads back on the host (`.item()`) that fake tensors
-do not know read as 0: a gradient scaler never finds an overflow, and every step is taken.
+The host side of the run (batches, the model of steps 01-05 before `.to(device)`, and what a
+script offloads to its `HOST`) lives on the meta device when a GPU is emulated, so that
+`.to(device)` copies as it does onto a GPU; the fake CPU tensors are the GPU. Values a step
+reads back on the host (`.item()`) that fake tensors do not know read as 0: a gradient scaler
+never finds an overflow, and every step is taken.
 """
 import argparse
 import io
@@ -295,6 +296,8 @@ def run_on_fake_tensors(script_path, argv, world_size=1, gpu=gpu_choices.DEFAULT
     replacements = stand_ins(run, world_size)
     for name in required_names(module):
         setattr(module, name, replacements[name])
+    if emulate_cuda and hasattr(module, "HOST"):  # what a script keeps in host memory (05e)
+        module.HOST = HOST_DEVICE  # goes where the emulated GPU's host is, apart from the GPU
     script_argv = [*without_estimate_flag(argv), *QUICK_RUN, "--device", "cpu"]
     fake_mode = FakeModeReadingZeros(allow_non_fake_inputs=True, cuda_batch_norm=emulate_cuda)
     with ExitStack() as stack:
