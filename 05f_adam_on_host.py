@@ -48,7 +48,8 @@ def train_step(model, optimizer, inputs, labels, device, accum_steps):  # gradie
         batch_loss += loss.detach().float()  # the record's loss, summed in float32
     host_weights = optimizer.param_groups[0]["params"]  # Adam on the host
     for weight, host_weight in zip(model.parameters(), host_weights):  # Adam on the host
-        host_weight.grad = weight.grad.to(HOST)  # Adam on the host: the gradient goes out
+        if weight.grad is not None:  # Adam on the host: the gradient goes out (none: no step)
+            host_weight.grad = weight.grad.to(HOST)
         weight.grad = None  # Adam on the host: and is freed on the device
     optimizer.step()
     for weight, host_weight in zip(model.parameters(), host_weights):  # Adam on the host

@@ -59,6 +59,7 @@ STEPS = {step.id: step for step in [
     Step("06", "on-device init", "05"),
     Step("07", "FSDP", "06", sharded=True),
     Step("07a", "LoRA", "06"),
+    Step("07b", "QLoRA", "07a"),
     Step("08", "offload", "07", sharded=True),
     Step("09", "checkpointing", "08", sharded=True),
 ]}

@@ -94,11 +94,18 @@ class AllocationTracker:
                      for parameter in group["params"] if parameter.grad is not None]
         self.gradients |= set(storages(gradients))
 
+    def note_gradient(self, parameter):
+        """A model parameter's gradient, as backward finishes it: 05f moves it off the device
+        and frees it before the optimizer's step, where note_gradients would look."""
+        self.gradients |= set(storages([parameter.grad]))
+
     def __enter__(self):
         self.gradients.clear()
         self.start = self.state_at_start()
         self.hooks = [optimizer.register_step_pre_hook(self.note_gradients)
                       for optimizer in self.optimizers]
+        self.hooks += [parameter.register_post_accumulate_grad_hook(self.note_gradient)
+                       for parameter in self.model.parameters() if parameter.requires_grad]
         # kineto's own log lines (profiler_start, profiler_stop) would interleave with the run's
         os.environ.setdefault("KINETO_LOG_LEVEL", "6")
         self.profiler = profile(activities=[ProfilerActivity.CPU], profile_memory=True)

@@ -105,6 +105,13 @@ def compile_seconds():
     return torch._dynamo.utils.calculate_time_spent().get("total_wall_time", 0.0)
 
 
+def weights_in(parameter):
+    """The numbers a parameter stands for: its elements, or for a 4-bit one (07b's Params4bit,
+    two weights packed in each byte) the elements of the weight it was quantized from."""
+    quantized = getattr(parameter, "quant_state", None)
+    return quantized.shape.numel() if quantized is not None else parameter.numel()
+
+
 def is_sharded(model):
     """True when FSDP2's fully_shard has been applied to the model itself (FSDPMemTracker
     needs the root sharded; steps 07-09 shard the blocks and then the root)."""
@@ -132,7 +139,7 @@ class MemoryMeter:
             self.tracker_factory = FSDPMemTracker if is_sharded(model) else memory_tracker
         # the model's parameters, whole (a sharded one is a DTensor, whose shape is the whole's),
         # and the share of them this process holds: 1/N of each when N processes shard them
-        self.parameter_count = sum(parameter.numel() for parameter in model.parameters())
+        self.parameter_count = sum(weights_in(parameter) for parameter in model.parameters())
         self.trainable_count = sum(parameter.numel() for parameter in model.parameters()
                                    if parameter.requires_grad)  # fewer when some are frozen (07a)
         self.parameters_held = self.parameter_count / (dist.get_world_size() if is_sharded(model)

@@ -8,6 +8,7 @@ from concurrent.futures import as_completed
 
 import estimate
 from common.cli import positive_int, processes_for, say_interrupted, unwritable
+from estimate.contract import cannot_estimate
 from estimate.fit import fit_table, parse_size, search_all
 from estimate.gpu_choices import DEFAULT_GPU, GPUS
 from estimate.predict import GB, Row, attempt, in_units, published_gb, save_records, setting
@@ -94,8 +95,9 @@ def report_progress(done, row, outcome, total):
     return outcome
 
 
-def table(rows, outcomes):
-    """The Markdown table of all predictions, with the study's figure where there is one."""
+def table(rows, outcomes, not_estimated=()):
+    """The Markdown table of all predictions, with the study's figure where there is one, and a
+    row for each script in `not_estimated` (the estimate cannot run it: the notes say why)."""
     lines = ["| script | setting | allocated | reserved | study (reserved) | ratio | creation "
              f"| {PER_PARAMETER} | activations |",
              "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
@@ -113,6 +115,8 @@ def table(rows, outcomes):
                      f"{in_units(record['init_allocated_bytes'])} | "
                      f"{'n/a' if per_parameter is None else f'{per_parameter:.2f}'} | "
                      f"{in_units(record['breakdown_bytes']['activations'])} |")
+    lines += [f"| {with_parent(script.name)} | | not estimated (see the note) | | | | | | |"
+              for script in not_estimated]
     return "\n".join(lines)
 
 
@@ -203,6 +207,9 @@ def main(argv=None):
     if not scripts:
         raise SystemExit("error: nothing to estimate.\n" + "\n".join(f"  {note}" for note in notes))
     flags = model_flags(args)
+    not_estimated = {script: reason for script in scripts if (reason := cannot_estimate(script))}
+    notes += [f"{script.stem} is not estimated: {reason}" for script, reason in not_estimated.items()]
+    scripts = [script for script in scripts if script not in not_estimated]
     rows = [row for script in scripts
             for row in rows_for(script, args.preset, args.device, args.world_size, flags, args.gpu)]
     fewer = sorted({row.world_size for row in rows if step_of(row.script).sharded} - {args.world_size})
@@ -211,7 +218,7 @@ def main(argv=None):
                      "(--world-size): the batch does not split into equal micro-batches over more")
     outcomes = run_rows(rows, args.jobs)
     records = [record for record, _, _ in outcomes if record]
-    print("\n" + table(rows, outcomes))
+    print("\n" + table(rows, outcomes, not_estimated))
     print(f"\n{PER_PARAMETER_NOTE} On a GPU: its own bytes, without what 08-09 offload.\n")
     if args.gpu_memory is not None:
         fits = search_all(rows, outcomes, args.capacity, args.jobs,

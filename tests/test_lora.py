@@ -88,3 +88,50 @@ def test_a_few_steps_of_lora_lower_the_loss(tmp_path):
     record, _ = run_script("07a", ["--epochs", "1", "--max-steps", "12"], tmp_path)
     losses = record["losses"]
     assert sum(losses[-4:]) / 4 < sum(losses[:4]) / 4 - 0.1, losses
+
+
+def quantized_weights(model):
+    """How many weights the model holds in 4 bits (07b)."""
+    return sum(adapter.base.weight.quant_state.shape.numel() for adapter in adapters(model)
+               if hasattr(adapter.base.weight, "quant_state"))
+
+
+def test_qlora_stores_the_adapted_layers_in_half_a_byte_per_weight(tmp_path):
+    """07b's parameters take 1.5 bytes less per quantized weight than 07a's (2 bytes of bfloat16
+    against 4 bits), the rest alike; the same parameters, as many trained."""
+    records = {}
+    for name in ("07a", "07b"):
+        records[name], meter = run_script(name, QUICK, tmp_path / name)
+    quantized = quantized_weights(meter.model)
+    assert quantized == sum(adapter.down.weight.shape[1] * adapter.up.weight.shape[0]
+                            for adapter in adapters(meter.model))  # every adapted layer
+    lora, qlora = records["07a"], records["07b"]
+    assert lora["breakdown_bytes"]["parameters"] - qlora["breakdown_bytes"]["parameters"] == 1.5 * quantized
+    assert qlora["parameter_count"] == lora["parameter_count"]
+    assert qlora["trainable_parameter_count"] == lora["trainable_parameter_count"]
+    assert qlora["peak_memory_bytes"] < lora["peak_memory_bytes"]
+
+
+def test_a_4_bit_weight_is_its_weight_to_within_nf4s_rounding():
+    """Each weight becomes the NF4 level nearest to it, times its block's scale (the block's
+    largest magnitude, itself stored in 8 bits): off by at most half the widest gap between
+    levels, plus the scale's own rounding, times the scale."""
+    from bitsandbytes.functional import dequantize_4bit, get_4bit_type
+    module = load_script("07b")
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(256, 64, dtype=torch.bfloat16).requires_grad_(False)
+    four_bit = module.in_four_bits(layer)
+    restored = dequantize_4bit(four_bit.weight.data, four_bit.weight.quant_state).float()
+    original = layer.weight.float()
+    levels = get_4bit_type("nf4", device="cpu").sort().values
+    half_gap = (levels[1:] - levels[:-1]).max().item() / 2
+    scale = original.reshape(-1, 64).abs().amax(dim=1, keepdim=True)  # blocks of 64 weights
+    error = (restored - original).reshape(-1, 64).abs()
+    assert torch.all(error <= (half_gap + 2**-7) * scale * 1.01), (error / scale).max()
+    assert restored.shape == original.shape
+
+
+def test_a_few_steps_of_qlora_lower_the_loss(tmp_path):
+    record, _ = run_script("07b", ["--epochs", "1", "--max-steps", "12"], tmp_path)
+    losses = record["losses"]
+    assert sum(losses[-4:]) / 4 < sum(losses[:4]) / 4 - 0.1, losses

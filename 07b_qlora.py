@@ -1,0 +1,161 @@
+"""07b QLoRA: 07a with the frozen weights of the adapted layers stored in 4 bits (NF4).
+
+LoRA leaves the pretrained weights frozen, so they need not be stored as bfloat16: QLoRA keeps
+each adapted layer's weight in bitsandbytes' 4-bit NormalFloat (NF4: 16 levels placed for
+normally distributed weights, a scale per block of 64 weights, the scales themselves quantized
+to 8 bits), about 0.52 bytes per weight instead of 2. Each forward and backward turns the
+4-bit weight back into bfloat16 for its matrix product, a layer at a time; the adapters, the
+head and every other weight (embeddings, norms) stay in bfloat16 and train as in 07a. The model
+is created in bfloat16 and its adapted layers quantized one by one, so creation peaks at 07a's.
+A branch of 07a: `diff 07a_lora.py 07b_qlora.py`. It needs bitsandbytes (pinned,
+`bitsandbytes==0.50.2`, on CPU and CUDA).
+
+  python %(prog)s                                  # tiny preset: offline, about 30 s on a laptop CPU
+  python %(prog)s --preset article                 # the study: ViT-L/16 on CIFAR-10 (GPU and network)
+  python %(prog)s --preset tiny-text               # text: a pretrained MiniLM on movie reviews
+  python %(prog)s --estimate                       # predict peak GPU memory without a GPU
+"""
+import math
+
+import torch
+import torch.nn.functional as F
+from transformers.pytorch_utils import Conv1D  # LoRA: GPT-2's linear layers, weights transposed
+
+try:  # QLoRA: 4-bit layers from bitsandbytes (requirements.txt pins it)
+    from bitsandbytes.nn import Linear4bit, Params4bit
+except ImportError as error:  # QLoRA
+    raise SystemExit(f"error: 07b needs bitsandbytes' Linear4bit ({error}). Install it with "
+                     "pip install bitsandbytes==0.50.2 (as requirements.txt pins), or use 07a.")
+
+# --estimate runs main() on fake tensors with stand-ins for these names (no data, no download):
+# keep importing them by name. The list and the reasons: estimate/contract.py.
+from common.cli import parse_args
+from common.data import load_data, split_batch, to_device
+from common.evaluate import evaluate
+from common.memory import MemoryMeter, measure_creation
+from common.model import classification_head, create_model, transformer_blocks
+from common.presets import preset_for
+from common.progress import Progress
+from common.summary import report
+
+DTYPE = torch.bfloat16  # bf16-true: weights, gradients, optimizer state and activations
+
+
+class LoRALinear(torch.nn.Module):  # LoRA
+    """`base` (a linear layer, frozen) plus a trainable low-rank update: base(x) + s * B(A(x))."""
+
+    def __init__(self, base, rank, alpha):
+        super().__init__()
+        inputs, outputs = base.weight.shape if isinstance(base, Conv1D) else base.weight.shape[::-1]
+        self.base, self.scale = base, alpha / rank
+        self.down = torch.nn.Linear(inputs, rank, bias=False, dtype=DTYPE)  # A: random
+        self.up = torch.nn.Linear(rank, outputs, bias=False, dtype=DTYPE)  # B: zero at first
+        torch.nn.init.kaiming_uniform_(self.down.weight, a=math.sqrt(5))
+        torch.nn.init.zeros_(self.up.weight)
+
+    def forward(self, x):
+        return self.base(x) + self.scale * self.up(self.down(x))
+
+
+def in_four_bits(layer):  # QLoRA
+    """The frozen linear `layer` (or GPT-2's Conv1D) as a Linear4bit: its weight quantized to
+    NF4 as it is moved onto its device, its products computed in bfloat16."""
+    weight = layer.weight.T if isinstance(layer, Conv1D) else layer.weight  # outputs x inputs
+    four_bit = Linear4bit(weight.shape[1], weight.shape[0], bias=layer.bias is not None,
+                          compute_dtype=DTYPE, quant_type="nf4", device="meta")
+    four_bit.weight = Params4bit(weight.contiguous(), requires_grad=False, quant_type="nf4")
+    four_bit.bias = layer.bias  # frozen, in bfloat16
+    # on CPUs with AVX512-BF16, bitsandbytes repacks the weight for inference at the first
+    # evaluation, for good: a layout its training path cannot read (and small layers cannot take)
+    four_bit.support_avx512bf16_for_cpu = False
+    return four_bit.to(weight.device)  # quantized here; the bfloat16 weight is freed with `layer`
+
+
+def add_adapters(model, rank, alpha, targets=None):  # LoRA
+    """Freeze `model`, put an adapter on each linear layer of its blocks (those named in
+    `targets`, if given) and train the adapters and the classification head; returns the names."""
+    model.requires_grad_(False)
+    adapted = []
+    for block in transformer_blocks(model):
+        for name, module in list(block.named_modules()):
+            parent, _, attribute = name.rpartition(".")
+            if isinstance(module, (torch.nn.Linear, Conv1D)) and attribute in (targets or [attribute]):
+                setattr(block.get_submodule(parent), attribute, LoRALinear(module, rank, alpha))
+                adapted.append(attribute)
+    if not adapted:
+        raise SystemExit(f"error: no linear layer in the model's blocks is named {' or '.join(targets)}"
+                         if targets else "error: the model's blocks have no linear layer for LoRA to "
+                         "adapt (a convolutional network's have none): train it with 06_on_device_init.py")
+    classification_head(model).requires_grad_(True)  # LoRA: the new head is trained in full
+    return sorted(set(adapted))
+
+
+def train_step(model, optimizer, inputs, labels, device, accum_steps):  # gradient accumulation
+    """One optimizer step on one batch; returns the loss."""
+    # gradient accumulation: equal micro-batches, one at a time; their gradients add up in .grad
+    micro_size = len(labels) // accum_steps
+    micro_batches = split_batch(inputs, labels, micro_size)
+    batch_loss = 0.0
+    for micro_inputs, micro_labels in micro_batches:
+        micro_inputs = to_device(micro_inputs, device, DTYPE)  # bf16-true: bfloat16 images
+        micro_labels = micro_labels.to(device)
+        logits = model(**micro_inputs).logits
+        loss = F.cross_entropy(logits, micro_labels) / len(micro_batches)  # mean over the batch
+        loss.backward()
+        batch_loss += loss.detach().float()  # the record's loss, summed in float32
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return batch_loss  # gradient accumulation: the whole batch's mean loss
+
+
+def train(args, device):
+    preset = preset_for(args)  # the preset, with --model's classifier if one is named
+    torch.manual_seed(args.seed)
+
+    data = load_data(preset, args.batch_size, device, seed=args.seed)
+    total_steps = args.epochs * len(data.train)  # optimizer steps; the last partial batch is dropped
+    if args.max_steps:
+        total_steps = min(total_steps, args.max_steps)
+
+    with measure_creation(device) as creation:
+        with torch.device(device):  # on-device init: tensors made in here go to the device
+            model = create_model(preset, dtype=DTYPE)  # on-device init, bf16-true: never float32
+            add_adapters(model, args.lora_rank, args.lora_alpha, args.lora_targets)  # LoRA
+    for adapter in [module for module in model.modules() if isinstance(module, LoRALinear)]:  # QLoRA
+        adapter.base = in_four_bits(adapter.base)  # QLoRA: one layer at a time
+    if preset.model is None:  # LoRA: a model drawn at random has nothing worth keeping frozen
+        print("note: this model is trained from scratch, so LoRA's frozen weights are random: the "
+              "run shows LoRA's memory, not its accuracy (use --preset tiny-text)")
+    if args.compile:  # fused kernels, generated by the first call (seconds to minutes), then reused
+        model.compile()  # in place: the same module, parameters and state_dict names
+    trained = [parameter for parameter in model.parameters() if parameter.requires_grad]  # LoRA
+    optimizer = torch.optim.Adam(trained, lr=args.lr or preset.qlora_lr)  # QLoRA, LoRA: a lower rate
+
+    meter = MemoryMeter(device, model, optimizer)  # the peak of the first steps, by what it holds
+    progress = Progress(total_steps)  # progress lines, the losses and the training clock
+    model.train()
+    for epoch in range(args.epochs):
+        for inputs, labels in data.train:
+            with meter.step():
+                loss = train_step(model, optimizer, inputs, labels, device,  # gradient accumulation
+                                  args.accum_steps)
+            progress.step(epoch, loss)
+            if progress.steps == total_steps:
+                break
+        progress.epoch(epoch, args.epochs, evaluate(model, data.val, device, DTYPE))  # bf16-true
+        if progress.steps == total_steps:
+            break
+    test_accuracy = evaluate(model, data.test, device, DTYPE)  # bf16-true: bfloat16 inputs
+    return report(args, __file__, creation, meter, progress, test_accuracy)
+
+
+def main(argv=None):
+    args = parse_args(__doc__, argv, accum_steps=4, lora=True)  # LoRA, gradient accumulation: flags
+    if args.estimate:  # predict instead: this script's main() on fake tensors (estimate/)
+        from estimate import estimate
+        return estimate(__file__, argv)
+    return train(args, args.device)
+
+
+if __name__ == "__main__":
+    main()
