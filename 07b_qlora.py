@@ -63,7 +63,8 @@ def in_four_bits(layer):  # QLoRA
     weight = layer.weight.T if isinstance(layer, Conv1D) else layer.weight  # outputs x inputs
     four_bit = Linear4bit(weight.shape[1], weight.shape[0], bias=layer.bias is not None,
                           compute_dtype=DTYPE, quant_type="nf4", device="meta")
-    four_bit.weight = Params4bit(weight.contiguous(), requires_grad=False, quant_type="nf4")
+    four_bit.weight = Params4bit(weight.contiguous(), requires_grad=False, quant_type="nf4",
+                                 blocksize=64, compress_statistics=True, module=four_bit)
     four_bit.bias = layer.bias  # frozen, in bfloat16
     # on CPUs with AVX512-BF16, bitsandbytes repacks the weight for inference at the first
     # evaluation, for good: a layout its training path cannot read (and small layers cannot take)

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed._tools import mod_tracker
 from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
-from torch.distributed._tools.mem_tracker import MemTracker
+from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
 from torch.distributed.fsdp import FSDPModule
 
 from common.gpu_support import check_bfloat16
@@ -75,13 +75,28 @@ class NoHook:
 class FrozenWeightsMemTracker(MemTracker):
     """MemTracker for models with frozen weights (07a): torch 2.13's puts a gradient hook on every
     parameter it meets, and a parameter that requires no gradient refuses hooks. Frozen ones are
-    marked as hooked already, so it counts them as parameters and hooks only the others."""
+    marked as hooked already, so it counts them as parameters and hooks only the others. A 4-bit
+    weight's scales (07b: bitsandbytes keeps them beside the weight, not as parameters) are
+    counted with the parameters."""
 
     def _track_module_params_and_buffers(self, module, install_grad_hooks=True):
         for parameter in module.parameters():
             if not parameter.requires_grad:
                 self._param_to_grad_hook_handles.setdefault(parameter, (NoHook(), NoHook()))
+            for scale in quantization_tensors(parameter):
+                self._update_and_maybe_create_winfos(scale, _MemRefType.PARAM)
         return super()._track_module_params_and_buffers(module, install_grad_hooks)
+
+
+def quantization_tensors(parameter):
+    """The tensors a 4-bit parameter's quantization state holds (scales, their own scales, the
+    code tables), or none for any other parameter."""
+    state = getattr(parameter, "quant_state", None)
+    tensors = []
+    while state is not None:
+        tensors += [value for value in vars(state).values() if torch.is_tensor(value)]
+        state = getattr(state, "state2", None)
+    return tensors
 
 
 def memory_tracker(model, optimizer):

@@ -98,15 +98,22 @@ def quantized_weights(model):
 
 def test_qlora_stores_the_adapted_layers_in_half_a_byte_per_weight(tmp_path):
     """07b's parameters take 1.5 bytes less per quantized weight than 07a's (2 bytes of bfloat16
-    against 4 bits), the rest alike; the same parameters, as many trained."""
+    against 4 bits), plus the scales bitsandbytes keeps beside them (about 1/64 byte per weight);
+    the rest alike; the same parameters, as many trained."""
+    from common.memory import quantization_tensors
     records = {}
     for name in ("07a", "07b"):
         records[name], meter = run_script(name, QUICK, tmp_path / name)
     quantized = quantized_weights(meter.model)
     assert quantized == sum(adapter.down.weight.shape[1] * adapter.up.weight.shape[0]
                             for adapter in adapters(meter.model))  # every adapted layer
+    scales = {tensor.untyped_storage().data_ptr(): tensor.untyped_storage().nbytes()
+              for adapter in adapters(meter.model)
+              for tensor in quantization_tensors(adapter.base.weight)}
+    assert quantized / 64 <= sum(scales.values()) < quantized / 16
     lora, qlora = records["07a"], records["07b"]
-    assert lora["breakdown_bytes"]["parameters"] - qlora["breakdown_bytes"]["parameters"] == 1.5 * quantized
+    saved = lora["breakdown_bytes"]["parameters"] - qlora["breakdown_bytes"]["parameters"]
+    assert saved == 1.5 * quantized - sum(scales.values())
     assert qlora["parameter_count"] == lora["parameter_count"]
     assert qlora["trainable_parameter_count"] == lora["trainable_parameter_count"]
     assert qlora["peak_memory_bytes"] < lora["peak_memory_bytes"]
