@@ -69,7 +69,7 @@ def test_loras_model_state_is_the_frozen_weights_and_the_adapters(quick_records,
 
 def test_lora_on_a_model_trained_from_scratch_says_what_it_shows(tmp_path, capsys):
     run_script("07a", QUICK, tmp_path)
-    assert "LoRA's frozen weights are random" in capsys.readouterr().out
+    assert "LoRA's frozen weights are random" in capsys.readouterr().err
 
 
 def test_lora_targets_choose_the_adapted_layers(tmp_path, capsys):
