@@ -47,6 +47,17 @@ ARCHITECTURES = {
     "ViT": ("vit", dict(WIDE, image_size=32, patch_size=8)),
     "ResNet": ("resnet", dict(embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1])),
 }
+# branches that change only the optimizer (what it keeps, where, how it rounds), which no
+# architecture sees: run on an encoder, a grouped-query decoder and the vision model, to keep the
+# suite within its time; every other script runs on every architecture
+OPTIMIZER_ONLY = {"04a", "04b", "05a", "05b", "05f"}
+REPRESENTATIVES = {"BERT", "Llama", "ViT"}
+
+
+def in_matrix(name, step):
+    return step not in OPTIMIZER_ONLY or name in REPRESENTATIVES
+
+
 # what a script refuses for an architecture, and the words of its message
 REFUSED = {("ResNet", "07a"): "no linear layer for LoRA to adapt",
            ("ResNet", "07b"): "no linear layer for LoRA to adapt"}
