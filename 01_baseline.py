@@ -9,7 +9,6 @@ The reference run. Every later script is this one plus one memory technique, so
   python %(prog)s --estimate                       # predict peak GPU memory without a GPU
 """
 import torch
-import torch.nn.functional as F
 
 # --estimate runs main() on fake tensors with stand-ins for these names (no data, no download):
 # keep importing them by name. The list and the reasons: estimate/contract.py.
@@ -26,8 +25,7 @@ from common.summary import report
 def train_step(model, optimizer, inputs, labels, device):
     """One optimizer step on one batch; returns the loss."""
     inputs, labels = to_device(inputs, device), labels.to(device)
-    logits = model(**inputs).logits
-    loss = F.cross_entropy(logits, labels)
+    loss = model(**inputs, labels=labels).loss  # its own loss: over classes, or next tokens
     loss.backward()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
@@ -62,8 +60,8 @@ def train(args, device):
         progress.epoch(epoch, args.epochs, evaluate(model, data.val, device))
         if progress.steps == total_steps:
             break
-    test_accuracy = evaluate(model, data.test, device)
-    return report(args, __file__, creation, meter, progress, test_accuracy)
+    test_score = evaluate(model, data.test, device)
+    return report(args, __file__, creation, meter, progress, test_score)
 
 
 def main(argv=None):

@@ -12,7 +12,6 @@ gradients overflowed to inf is skipped and the factor halved.
   python %(prog)s --estimate                       # predict peak GPU memory without a GPU
 """
 import torch
-import torch.nn.functional as F
 
 # --estimate runs main() on fake tensors with stand-ins for these names (no data, no download):
 # keep importing them by name. The list and the reasons: estimate/contract.py.
@@ -30,8 +29,7 @@ def train_step(model, optimizer, scaler, inputs, labels, device):  # mixed preci
     """One optimizer step on one batch; returns the loss."""
     inputs, labels = to_device(inputs, device), labels.to(device)
     with torch.autocast(device_type=device.type, dtype=torch.float16):  # mixed precision
-        logits = model(**inputs).logits
-        loss = F.cross_entropy(logits, labels)
+        loss = model(**inputs, labels=labels).loss  # its own loss: over classes, or next tokens
     scaler.scale(loss).backward()  # mixed precision: scaled up, float16 gradients would underflow
     scaler.unscale_(optimizer)  # mixed precision: true gradients from here on (clip here)
     scaler.step(optimizer)  # mixed precision: skipped if a gradient is inf or NaN
@@ -69,8 +67,8 @@ def train(args, device):
         progress.epoch(epoch, args.epochs, evaluate(model, data.val, device))
         if progress.steps == total_steps:
             break
-    test_accuracy = evaluate(model, data.test, device)
-    return report(args, __file__, creation, meter, progress, test_accuracy)
+    test_score = evaluate(model, data.test, device)
+    return report(args, __file__, creation, meter, progress, test_score)
 
 
 def main(argv=None):

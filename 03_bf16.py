@@ -10,7 +10,6 @@ needed; it has fewer mantissa bits, so very small updates to a weight can be los
   python %(prog)s --estimate                       # predict peak GPU memory without a GPU
 """
 import torch
-import torch.nn.functional as F
 
 # --estimate runs main() on fake tensors with stand-ins for these names (no data, no download):
 # keep importing them by name. The list and the reasons: estimate/contract.py.
@@ -29,8 +28,7 @@ DTYPE = torch.bfloat16  # bf16-true: weights, gradients, optimizer state and act
 def train_step(model, optimizer, inputs, labels, device):
     """One optimizer step on one batch; returns the loss."""
     inputs, labels = to_device(inputs, device, DTYPE), labels.to(device)  # bf16-true: bfloat16 images
-    logits = model(**inputs).logits
-    loss = F.cross_entropy(logits, labels)
+    loss = model(**inputs, labels=labels).loss  # its own loss: over classes, or next tokens
     loss.backward()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
@@ -65,8 +63,8 @@ def train(args, device):
         progress.epoch(epoch, args.epochs, evaluate(model, data.val, device, DTYPE))  # bf16-true
         if progress.steps == total_steps:
             break
-    test_accuracy = evaluate(model, data.test, device, DTYPE)  # bf16-true: bfloat16 inputs
-    return report(args, __file__, creation, meter, progress, test_accuracy)
+    test_score = evaluate(model, data.test, device, DTYPE)  # bf16-true: bfloat16 inputs
+    return report(args, __file__, creation, meter, progress, test_score)
 
 
 def main(argv=None):

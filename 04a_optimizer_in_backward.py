@@ -17,7 +17,6 @@ steps during each backward, so it offers neither.
 """
 
 import torch
-import torch.nn.functional as F
 
 # --estimate runs main() on fake tensors with stand-ins for these names (no data, no download):
 # keep importing them by name. The list and the reasons: estimate/contract.py.
@@ -36,8 +35,7 @@ DTYPE = torch.bfloat16  # bf16-true: weights, gradients, optimizer state and act
 def train_step(model, inputs, labels, device):  # optimizer in backward: no optimizer here
     """One optimizer step on one batch; returns the loss."""
     inputs, labels = to_device(inputs, device, DTYPE), labels.to(device)  # bf16-true: bfloat16 images
-    logits = model(**inputs).logits
-    loss = F.cross_entropy(logits, labels)
+    loss = model(**inputs, labels=labels).loss  # its own loss: over classes, or next tokens
     loss.backward()  # optimizer in backward: every weight is updated, and its gradient freed, in here
     return loss.detach()
 
@@ -79,8 +77,8 @@ def train(args, device):
         progress.epoch(epoch, args.epochs, evaluate(model, data.val, device, DTYPE))  # bf16-true
         if progress.steps == total_steps:
             break
-    test_accuracy = evaluate(model, data.test, device, DTYPE)  # bf16-true: bfloat16 inputs
-    return report(args, __file__, creation, meter, progress, test_accuracy)
+    test_score = evaluate(model, data.test, device, DTYPE)  # bf16-true: bfloat16 inputs
+    return report(args, __file__, creation, meter, progress, test_score)
 
 
 def main(argv=None):

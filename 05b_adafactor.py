@@ -16,7 +16,6 @@ back to the host per parameter (`.item()`), each a wait for the GPU.
   python %(prog)s --estimate                       # predict peak GPU memory without a GPU
 """
 import torch
-import torch.nn.functional as F
 
 # --estimate runs main() on fake tensors with stand-ins for these names (no data, no download):
 # keep importing them by name. The list and the reasons: estimate/contract.py.
@@ -41,8 +40,7 @@ def train_step(model, optimizer, inputs, labels, device, accum_steps):  # gradie
     for micro_inputs, micro_labels in micro_batches:
         micro_inputs = to_device(micro_inputs, device, DTYPE)  # bf16-true: bfloat16 images
         micro_labels = micro_labels.to(device)
-        logits = model(**micro_inputs).logits
-        loss = F.cross_entropy(logits, micro_labels) / len(micro_batches)  # mean over the batch
+        loss = model(**micro_inputs, labels=micro_labels).loss / len(micro_batches)  # mean over the batch
         loss.backward()
         batch_loss += loss.detach().float()  # the record's loss, summed in float32
     optimizer.step()
@@ -79,8 +77,8 @@ def train(args, device):
         progress.epoch(epoch, args.epochs, evaluate(model, data.val, device, DTYPE))  # bf16-true
         if progress.steps == total_steps:
             break
-    test_accuracy = evaluate(model, data.test, device, DTYPE)  # bf16-true: bfloat16 inputs
-    return report(args, __file__, creation, meter, progress, test_accuracy)
+    test_score = evaluate(model, data.test, device, DTYPE)  # bf16-true: bfloat16 inputs
+    return report(args, __file__, creation, meter, progress, test_score)
 
 
 def main(argv=None):

@@ -18,7 +18,6 @@ import math
 import sys  # LoRA: its note goes to standard error
 
 import torch
-import torch.nn.functional as F
 from transformers.pytorch_utils import Conv1D  # LoRA: GPT-2's linear layers, weights transposed
 
 # --estimate runs main() on fake tensors with stand-ins for these names (no data, no download):
@@ -79,8 +78,7 @@ def train_step(model, optimizer, inputs, labels, device, accum_steps):  # gradie
     for micro_inputs, micro_labels in micro_batches:
         micro_inputs = to_device(micro_inputs, device, DTYPE)  # bf16-true: bfloat16 images
         micro_labels = micro_labels.to(device)
-        logits = model(**micro_inputs).logits
-        loss = F.cross_entropy(logits, micro_labels) / len(micro_batches)  # mean over the batch
+        loss = model(**micro_inputs, labels=micro_labels).loss / len(micro_batches)  # mean over the batch
         loss.backward()
         batch_loss += loss.detach().float()  # the record's loss, summed in float32
     optimizer.step()
@@ -123,8 +121,8 @@ def train(args, device):
         progress.epoch(epoch, args.epochs, evaluate(model, data.val, device, DTYPE))  # bf16-true
         if progress.steps == total_steps:
             break
-    test_accuracy = evaluate(model, data.test, device, DTYPE)  # bf16-true: bfloat16 inputs
-    return report(args, __file__, creation, meter, progress, test_accuracy)
+    test_score = evaluate(model, data.test, device, DTYPE)  # bf16-true: bfloat16 inputs
+    return report(args, __file__, creation, meter, progress, test_score)
 
 
 def main(argv=None):

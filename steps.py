@@ -41,6 +41,17 @@ class Step:
         found = re.search(r"accum_steps=(\d+)", self.path.read_text())
         return int(found.group(1)) if found else 1
 
+    @property
+    def task(self):
+        """The only task the script trains, as it tells parse_args (04c: "causal-lm"), or None
+        when it trains any (--task)."""
+        found = re.search(r'task="([\w-]+)"', self.path.read_text())
+        return found.group(1) if found else None
+
+    def trains(self, task):
+        """Whether the script trains `task` ("classification" or "causal-lm")."""
+        return self.task in (None, task)
+
 
 STEPS = {step.id: step for step in [
     Step("01", None, None),
@@ -49,6 +60,7 @@ STEPS = {step.id: step for step in [
     Step("04", "gradient accumulation", "03"),
     Step("04a", "optimizer in backward", "03"),
     Step("04b", "stochastic rounding", "03"),
+    Step("04c", "chunked loss", "04"),
     Step("05", "plain SGD", "04"),
     Step("05a", "8-bit AdamW", "04"),
     Step("05b", "Adafactor", "04"),

@@ -12,7 +12,8 @@ from pathlib import Path
 
 from transformers import AutoConfig
 from transformers.models.auto.modeling_auto import (
-    MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES, MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES)
+    MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES,
+    MODEL_FOR_MASKED_LM_MAPPING_NAMES, MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES)
 
 from common.hub import from_cache_when_offline, require_hub
 
@@ -21,7 +22,8 @@ WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_mo
                 "pytorch_model.bin.index.json")
 # what a config.json holds besides the architecture's arguments (the classes come from the data)
 NOT_ARGUMENTS = ("_name_or_path", "transformers_version", "architectures", "model_type",
-                 "id2label", "label2id", "num_labels", "torch_dtype", "dtype", "auto_map")
+                 "id2label", "label2id", "num_labels", "problem_type", "torch_dtype", "dtype",
+                 "auto_map")
 
 
 # the attention code a config.json may ask for: what the GPU estimate knows how a GPU runs
@@ -43,11 +45,28 @@ def task_of(model_type):
     return None
 
 
-def classifier_class_name(model_type):
-    """The transformers class that classifies with this architecture (for example
-    BertForSequenceClassification)."""
+def classifier_class_name(model_type, task="classification"):
+    """The transformers class that trains this architecture for `task`: the one that classifies
+    (for example BertForSequenceClassification), or for causal-lm the one that predicts the next
+    token (LlamaForCausalLM)."""
+    if task == "causal-lm":
+        return MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type]
     return (MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES.get(model_type)
             or MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES[model_type])
+
+
+def decoder_problem(name_or_dir, config):
+    """Why --task causal-lm cannot train this model (in words that say what to do), or None: it
+    needs a decoder, an architecture transformers has a causal-LM class for that is not an encoder
+    (BERT's and RoBERTa's causal-LM classes serve as the decoder half of an encoder-decoder)."""
+    model_type = config.model_type
+    if model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and (
+            model_type not in MODEL_FOR_MASKED_LM_MAPPING_NAMES or getattr(config, "is_decoder", False)):
+        return None
+    return (f"--model {name_or_dir}: --task causal-lm trains a decoder to predict each next token, "
+            f"and a {model_type!r} model is not one (transformers has no causal language model of "
+            "it that stands alone). Name a decoder (GPT-2, Llama, Mistral, Qwen2, BLOOM, ...), or "
+            "leave --task out to train it as a classifier")
 
 
 @functools.cache
@@ -104,6 +123,10 @@ def with_model(preset, name_or_dir, seq_len=None, image_size=None, num_labels=No
     `seq_len` tokens (text) or `image_size` pixels square (images) and `num_labels` classes."""
     config, has_weights = read_config(name_or_dir)
     task = task_of(config.model_type)
+    if preset.task == "causal-lm":
+        if decoder_problem(name_or_dir, config):
+            raise ModelProblem(decoder_problem(name_or_dir, config))
+        task = "text"  # a decoder, with or without a classifier
     if task is None:
         raise ModelProblem(
             f"--model {name_or_dir}: a {config.model_type!r} model, for which transformers has "
@@ -130,7 +153,7 @@ def with_model(preset, name_or_dir, seq_len=None, image_size=None, num_labels=No
                                f"{longest} tokens at most; ask for {longest} or fewer")
         changes["max_length"] = seq_len or min(preset.max_length, longest or preset.max_length)
         if getattr(config, "pad_token_id", None) is None:  # GPT-2, Llama: no padding token, and
-            eos = getattr(config, "eos_token_id", None)  # the classifier needs one: end-of-text
+            eos = getattr(config, "eos_token_id", None)  # batches need one: end-of-text
             if eos is None:
                 raise ModelProblem(
                     f"--model {name_or_dir}: its config names neither a padding token nor an "

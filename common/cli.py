@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from common.presets import PRESETS
+from common.presets import PRESETS, TASKS, for_task
 
 
 def positive_int(text):
@@ -64,11 +64,12 @@ def say_interrupted(error_type, error, trace, previous=sys.excepthook):
 
 
 def parse_args(description, argv=None, accum_steps=None, sharded=False, no_accumulation=None,
-               lora=False):
+               lora=False, task=None):
     """Parse the shared flags; `accum_steps` (from step 04 on) adds --accum-steps with that
     default, `sharded` (07 on) --reshard-after-forward, `lora` (07a) --lora-rank, --lora-alpha
     and --lora-targets; `no_accumulation`, the reason a script refuses --accum-steps (04a),
-    turns that flag into an error saying so.
+    turns that flag into an error saying so; `task`, the only task a script trains (04c:
+    causal-lm), is --task's default, and any other is refused.
 
     The preset the run trains, --model's classifier in place of the preset's own when given, is
     resolved here once and travels on `args` (`preset_for(args)` returns it).
@@ -85,8 +86,13 @@ def parse_args(description, argv=None, accum_steps=None, sharded=False, no_accum
                              "BLOOM-560m on IMDb (article and imdb: GPU and network)")
     parser.add_argument("--model", metavar="NAME_OR_DIR",
                         help="train (or --estimate) this Hugging Face image or sequence classifier "
-                             "instead of the preset's model: a Hub id, or a directory holding its "
-                             "config.json (weights optional); the data comes from the preset")
+                             "(or decoder, with --task causal-lm) instead of the preset's model: a "
+                             "Hub id, or a directory holding its config.json (weights optional); "
+                             "the data comes from the preset")
+    parser.add_argument("--task", choices=TASKS, default=task or "classification",
+                        help="classification (default): the label of each image or text; "
+                             "causal-lm (text presets): the next-token loss of a decoder over "
+                             "each text, padding ignored, reported as loss and perplexity")
     parser.add_argument("--seq-len", type=positive_int,
                         help="with --model, text: tokens per sequence (default: the preset's)")
     parser.add_argument("--image-size", type=positive_int,
@@ -135,8 +141,16 @@ def parse_args(description, argv=None, accum_steps=None, sharded=False, no_accum
     problem = unwritable(args.results_dir)
     if problem:
         parser.error(problem)
+    if task is not None and args.task != task:
+        parser.error(f"--task {args.task}: this script trains --task {task} only (its technique "
+                     "has nothing to do in another); run its parent for the other task")
     given, args.preset = args.preset is not None, args.preset or "tiny"
-    preset = PRESETS[args.preset]
+    if args.task == "causal-lm" and not given:  # the offline text preset
+        args.preset = "tiny-text"
+    try:
+        preset = for_task(PRESETS[args.preset], args.task)
+    except ValueError as problem:
+        parser.error(str(problem))
     if args.model is not None:
         preset = model_preset(parser, args, given)
     elif args.seq_len or args.image_size or args.num_labels:
@@ -177,10 +191,10 @@ def model_preset(parser, args, given):
     from common.presets import is_text
     try:
         config, _ = read_config(args.model)
-        task = task_of(config.model_type)
+        task = "text" if args.task == "causal-lm" else task_of(config.model_type)
         if task is not None and not given:
             args.preset = "tiny-text" if task == "text" else "tiny"
-        preset = PRESETS[args.preset]
+        preset = for_task(PRESETS[args.preset], args.task)
         holds = "text" if is_text(preset) else "images"
         if task is not None and task != holds:
             alike = [name for name, other in PRESETS.items()

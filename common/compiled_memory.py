@@ -12,13 +12,15 @@ profile_memory): it hears of every allocation and free from the allocator itself
 code's included, and leaves compilation alone. The count starts where MemTracker's does, from
 the model's parameters, buffers and gradients and the optimizer's state alive when the step
 begins, adds everything allocated during the step and takes off what it frees. On the first
-step of 01 (float32, eager) both count the same peak to the byte (tests/test_compile.py).
+step of 01 (float32, eager) both count the same peak to the byte but for the labels
+(tests/test_compile.py).
 Elsewhere the allocator sees a little more and a little less: more, the buffers an operation
 allocates for itself and frees before returning, which MemTracker, seeing only what operations
 return, cannot (a bfloat16 matrix product on a CPU takes one: 0.19 MiB at the peak of 03's
 first step); less, tensors made before the step that MemTracker counts once an operation returns
-a view of them (04's micro-batches of the input batch, on a CPU) or that it saw made in an
-earlier watched step (the loss of the step before).
+a view of them (the labels, of which the model's loss takes a view; 04's micro-batches of the
+input batch, on a CPU) or that it saw made in an earlier watched step (the loss of the step
+before).
 
 Each block alive at the peak goes into the category MemTracker would give it, by what it is and
 by what the profiler saw running when it was allocated: parameters and buffers (and, sharded,

@@ -1,11 +1,12 @@
 """Data sets as `datasets.Dataset`s and the loaders that batch them.
 
-A batch is the model's inputs (a dict: `pixel_values`, or `input_ids` and `attention_mask`) and
-the labels. tiny: scikit-learn's handwritten digits (1,797 8x8 grey images, shipped inside the
-package), resized to 32x32 RGB. article: CIFAR-10 from the Hub at 224x224, split 45k/5k/10k as
-in the study. tiny-text: 10,568 Rotten Tomatoes snippets rated positive or negative by people
-(from a package on PyPI), tokenized to the preset's length. imdb: the 50,000 IMDb movie reviews
-from the Hub, split 35k/5k/10k as in the LLM study.
+A batch is the model's inputs (a dict: `pixel_values`, or `input_ids` and `attention_mask`) and the
+labels: one class per sample, or under --task causal-lm one token per position. tiny:
+scikit-learn's handwritten digits (1,797 8x8 grey images, shipped inside the package), resized to
+32x32 RGB. article: CIFAR-10 from the Hub at 224x224, split 45k/5k/10k as in the study. tiny-text:
+10,568 Rotten Tomatoes snippets rated positive or negative by people (from a package on PyPI),
+tokenized to the preset's length. imdb: the 50,000 IMDb movie reviews from the Hub, split
+35k/5k/10k as in the LLM study.
 """
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +22,7 @@ from common.presets import MOVIE_SNIPPETS
 from common.progress import is_main_process
 
 SPLIT_SEED = 0  # the train/validation/test split never depends on --seed
+IGNORED = -100  # a label the loss leaves out (padding, under --task causal-lm): transformers' own
 # train, validation and test samples of each preset's data set
 DIGITS_SPLITS = (1257, 180, 360)  # scikit-learn's 1,797 digits
 CIFAR10_SPLITS = (45000, 5000, 10000)  # the study's: 5,000 of CIFAR-10's training images validate
@@ -126,15 +128,21 @@ def say_truncated(texts, tokenizer, max_length):
               f"to {max_length}")
 
 
-def tokenized(texts, labels, tokenizer, max_length):
+def tokenized(texts, labels, tokenizer, max_length, task="classification"):
     """A Dataset of token ids, attention masks (1 for a token, 0 for padding) and labels, every
-    sequence padded or truncated to `max_length`."""
+    sequence padded or truncated to `max_length`. For causal-lm the labels are the tokens
+    themselves, IGNORED where padding is: the model shifts them by one (each position predicts
+    the next token) and leaves IGNORED out of its loss, as supervised finetuning does."""
     import datasets
 
     encoded = tokenizer(texts, padding="max_length", truncation=True, max_length=max_length)
     sequence = datasets.Sequence(datasets.Value("int64"), length=max_length)
+    if task == "causal-lm":
+        labels = [[token if real else IGNORED for token, real in zip(ids, mask)]
+                  for ids, mask in zip(encoded["input_ids"], encoded["attention_mask"])]
     features = datasets.Features({"input_ids": sequence, "attention_mask": sequence,
-                                  "label": datasets.Value("int64")})
+                                  "label": sequence if task == "causal-lm"
+                                  else datasets.Value("int64")})
     return datasets.Dataset.from_dict(
         {"input_ids": encoded["input_ids"], "attention_mask": encoded["attention_mask"],
          "label": labels}, features=features).with_format("torch")
@@ -181,7 +189,7 @@ def text_splits(examples, sizes, preset):
     texts = [text for split_texts, _ in splits for text in split_texts]
     tokenizer = tokenizer_for(preset)
     say_truncated(texts, tokenizer, preset.max_length)
-    return tuple(tokenized(split_texts, split_labels, tokenizer, preset.max_length)
+    return tuple(tokenized(split_texts, split_labels, tokenizer, preset.max_length, preset.task)
                  for split_texts, split_labels in splits)
 
 

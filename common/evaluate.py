@@ -1,41 +1,101 @@
-"""Classification accuracy over a loader, counted over all processes when there are several.
+"""The score of a model over a loader, counted over all processes when there are several:
+classification accuracy, or under --task causal-lm the next-token loss (and its perplexity).
 
 torchmetrics' MulticlassAccuracy counts the correct predictions and the wrong ones of each
 batch; with average="micro" its accuracy is correct / samples, the plain accuracy (its default,
 "macro", would average the accuracy of each class instead). Under a process group it gathers
 every process's counts and sums them (so processes that saw different numbers of samples are
 weighed by their samples); its counts live on the training device, as NCCL requires of CUDA.
+The next-token loss is summed over every predicted token and divided by their count, over all
+processes likewise.
 """
+import math
+
 import torch
+import torch.distributed as dist
 from torchmetrics.classification import MulticlassAccuracy
 
-from common.data import to_device
+from common.data import IGNORED, to_device
 
 
 class Accuracy(float):
     """A fraction of correct predictions that knows how many samples it counted (`.samples`),
     so that a report can say how precise it is."""
 
+    name = "accuracy"
+
     def __new__(cls, fraction, samples):
         accuracy = super().__new__(cls, fraction)
         accuracy.samples = samples
         return accuracy
 
+    def __str__(self):
+        return f"accuracy {self:.2%}"
+
+
+class TokenLoss(float):
+    """The mean next-token loss (cross-entropy in nats) over `.tokens` predicted tokens; its
+    perplexity, exp(loss), is the number of equally likely tokens that would leave the model as
+    unsure."""
+
+    name = "loss"
+
+    def __new__(cls, loss, tokens):
+        value = super().__new__(cls, loss)
+        value.tokens = tokens
+        return value
+
+    @property
+    def perplexity(self):
+        return math.exp(self) if math.isfinite(self) else float("nan")
+
+    def __str__(self):
+        return f"loss {self:.4f} (perplexity {self.perplexity:,.1f})"
+
 
 @torch.no_grad()
 def evaluate(model, loader, device, dtype=None):
-    """Fraction of correct predictions (an Accuracy); `dtype` casts the floating inputs (images)
-    to the model's dtype."""
+    """The model's score on the loader: an Accuracy, or a TokenLoss when the labels are tokens
+    (--task causal-lm). `dtype` casts the floating inputs (images) to the model's dtype."""
     was_training = model.training
     model.eval()
+    try:
+        if is_causal_lm(model):
+            return token_loss(model, loader, device, dtype)
+        return accuracy(model, loader, device, dtype)
+    finally:
+        model.train(was_training)
+
+
+def is_causal_lm(model):
+    """True for a transformers causal language model (LlamaForCausalLM, GPT2LMHeadModel, ...,
+    FSDP's subclasses of them too)."""
+    from transformers import GenerationMixin
+    return isinstance(model, GenerationMixin)
+
+
+def accuracy(model, loader, device, dtype):
     metric = MulticlassAccuracy(model.config.num_labels, average="micro",
                                 sync_on_compute=False).to(device)  # synced once, below
     for inputs, labels in loader:
         logits = model(**to_device(inputs, device, dtype)).logits
         metric.update(logits, labels.to(device))  # the prediction is the highest logit
-    model.train(was_training)
     metric.sync()  # every process's counts, summed; nothing to do without a process group
     # micro: tp counts the correct predictions, fn the wrong ones. compute() would divide them
     # in float32; the record keeps the exact fraction, so that accuracy x samples is a count.
     correct, samples = int(metric.tp), int(metric.tp + metric.fn)
     return Accuracy(correct / samples if samples else float("nan"), samples)
+
+
+def token_loss(model, loader, device, dtype):
+    total = torch.zeros(2, dtype=torch.float64, device=device)  # summed loss, predicted tokens
+    for inputs, labels in loader:
+        labels = labels.to(device)
+        tokens = (labels[:, 1:] != IGNORED).sum()  # each position predicts the next token
+        loss = model(**to_device(inputs, device, dtype), labels=labels).loss  # their mean
+        if tokens:
+            total += torch.stack([loss.double() * tokens, tokens.double()])
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(total)  # every process's sums
+    summed, tokens = total.tolist()
+    return TokenLoss(summed / tokens if tokens else float("nan"), int(tokens))

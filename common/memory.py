@@ -188,6 +188,14 @@ class MemoryMeter:
         # iteration; with gradient accumulation one step runs several.
         if module is self.model:
             self.tracker.reset_mod_stats()
+            return
+        # A part of the model called again from outside it (04c: the blocks once per micro-batch,
+        # the output layer once per piece of the sequence) would be refused likewise: its own
+        # statistics start anew, which leaves the overall peak that the meter reads as it is.
+        modules = getattr(self.tracker, "_mod_tracker", None)
+        if (modules is not None and not modules.is_bw and modules.parents == {"Global"}
+                and module in self.tracker.memory_tracking):
+            del self.tracker.memory_tracking[module]
 
     @contextmanager
     def step(self):

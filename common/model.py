@@ -28,7 +28,17 @@ def model_config(preset):
     """The config of the preset's architecture (its model_type) with the preset's arguments,
     set for training (no key-value cache)."""
     return for_training(AutoConfig.for_model(preset.architecture, **preset.config,
-                                             num_labels=preset.num_classes))
+                                             **task_settings(preset)))
+
+
+def task_settings(preset):
+    """The config's settings of the preset's task: for classification its classes, and the
+    kind of problem, said up front (single-label), so that every architecture computes the
+    plain cross-entropy from `labels` (DeBERTa-v2 otherwise selects the labelled samples by value)
+    and none sets it on its first call (a change torch.compile would compile again for)."""
+    if preset.task == "causal-lm":
+        return {}
+    return {"num_labels": preset.num_classes, "problem_type": "single_label_classification"}
 
 
 def for_training(config):
@@ -49,9 +59,10 @@ def for_training(config):
 
 
 def model_class(preset):
-    """The transformers classifier of the preset's architecture: ViTForImageClassification,
-    BertForSequenceClassification, BloomForSequenceClassification, ..."""
-    return getattr(transformers, classifier_class_name(preset.architecture))
+    """The transformers class of the preset's architecture and task: ViTForImageClassification,
+    BertForSequenceClassification, BloomForSequenceClassification, ...; LlamaForCausalLM,
+    BloomForCausalLM, ... for --task causal-lm."""
+    return getattr(transformers, classifier_class_name(preset.architecture, preset.task))
 
 
 def create_model(preset, dtype=torch.float32):
@@ -68,6 +79,8 @@ def create_model(preset, dtype=torch.float32):
         model = model_class(preset)._from_config(model_config(preset), dtype=dtype)
     if device.type != "meta":
         model.to_empty(device=device)
+        model.tie_weights()  # to_empty gives each module its own copy: one output layer and
+        #                      input embedding again where the config ties them (GPT-2, Llama 3.2)
         initialise(model)  # buffers too (BERT's position ids): transformers' rules give them values
     return model
 
@@ -87,7 +100,7 @@ def load_pretrained(preset, dtype, device):
     try:
         with where, torch.device("cpu"), loading_in_this_thread():
             model, loading = model_class(preset).from_pretrained(
-                source, **preset.config, num_labels=preset.num_classes,  # the preset's settings
+                source, **preset.config, **task_settings(preset),  # the preset's settings
                 ignore_mismatched_sizes=True,  # a new head
                 dtype=dtype, device_map=device, output_loading_info=True)
     except (torch.OutOfMemoryError, torch.AcceleratorError):
@@ -145,8 +158,12 @@ def initialise(model, modules=None):
 
 def classification_head(model):
     """The layer that maps features to classes, new in a pretrained model finetuned here (ViT's
-    and BERT's `classifier`, BLOOM's `score`)."""
-    return model.classifier if hasattr(model, "classifier") else model.score
+    and BERT's `classifier`, BLOOM's `score`); a causal language model has none (an empty
+    list): its output layer over the vocabulary is pretrained with the rest."""
+    for name in ("classifier", "score"):
+        if hasattr(model, name):
+            return getattr(model, name)
+    return torch.nn.ModuleList()
 
 
 def transformer_blocks(model):

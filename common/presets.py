@@ -4,7 +4,7 @@ LLM study). `tiny` and `tiny-text` run offline on a CPU; the others need a GPU a
 Architectures are written out here, so that anything that needs only shapes (the memory
 estimate) works without downloading a model.
 """
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from common.packaged import Packaged
 
@@ -51,6 +51,7 @@ class Preset:
     lora_lr: float = 1e-3      # Adam on LoRA's adapters and the head (07a)
     qlora_lr: float = 1e-3     # the same on 4-bit weights (07b)
     tokenizer: str | None = None  # text: where the tokenizer is, when not beside the weights
+    task: str = "classification"  # or "causal-lm" (--task): the next-token loss of a decoder
 
 
 PRESETS = {
@@ -110,6 +111,37 @@ PRESETS = {
 }
 
 
+TASKS = ("classification", "causal-lm")
+
+# --task causal-lm: what changes in a text preset. Nothing pretrained ships offline as a decoder, so
+# tiny-text draws a small Llama from scratch (MiniLM's 30,522-token vocabulary, its tokenizer; 4.2M
+# parameters, 3.9M of them the input and output embeddings, so that the logits are the largest
+# tensor, as in a finetuned LLM); imdb finetunes BLOOM-560m itself as a language model
+CAUSAL_LM = {
+    "tiny-text": dict(
+        model=None, tokenizer=MINILM, architecture="llama",
+        config=dict(vocab_size=30522, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                    num_key_value_heads=2, intermediate_size=256, max_position_embeddings=64,
+                    tie_word_embeddings=False, attention_dropout=0.0, initializer_range=0.02,
+                    pad_token_id=0, bos_token_id=101, eos_token_id=102),  # [PAD], [CLS], [SEP]
+        lr=3e-3, sgd_lr=1.0, lora_lr=3e-3, qlora_lr=3e-3),
+    "imdb": dict(),
+}
+
+
+def for_task(preset, task):
+    """`preset` set for `task`: itself for classification; for causal-lm, with CAUSAL_LM's
+    changes. A ValueError says what to do when the preset has no such task (images)."""
+    if task == "classification":
+        return preset
+    if task not in TASKS:
+        raise ValueError(f"unknown task {task!r}; choose one of: {', '.join(TASKS)}")
+    if preset.name not in CAUSAL_LM:
+        raise ValueError(f"--task {task}: preset {preset.name} holds images, which have no next "
+                         f"token; use a text preset ({', '.join(CAUSAL_LM)})")
+    return replace(preset, task=task, **CAUSAL_LM[preset.name])
+
+
 def is_text(preset):
     """True when the preset's inputs are token ids and an attention mask, not images."""
     from common.any_model import task_of
@@ -128,7 +160,7 @@ def preset_for(args):
     did not come from parse_args."""
     if getattr(args, "preset_settings", None) is not None:
         return args.preset_settings
-    preset = get_preset(args.preset)
+    preset = for_task(get_preset(args.preset), getattr(args, "task", "classification"))
     if getattr(args, "model", None) is None:
         return preset
     from common.any_model import with_model

@@ -29,11 +29,12 @@ class Progress:
             print(f"epoch {epoch + 1} step {self.steps}/{self.total_steps} loss {loss.item():.4f} "
                   f"({time.perf_counter() - self.start:.1f} s)", flush=True)
 
-    def epoch(self, epoch, epochs, val_accuracy):
-        """Call after each epoch's validation."""
+    def epoch(self, epoch, epochs, val_score):
+        """Call after each epoch's validation; `val_score` is what evaluate() gave (an accuracy,
+        or a next-token loss), and says itself what it is."""
         self.end = time.perf_counter()
         if is_main_process():
-            print(f"epoch {epoch + 1}/{epochs} validation accuracy {val_accuracy:.2%}", flush=True)
+            print(f"epoch {epoch + 1}/{epochs} validation {val_score}", flush=True)
 
     @property
     def seconds(self):

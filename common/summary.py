@@ -41,8 +41,12 @@ RECORD_FIELDS = {
     "init_host_peak_memory_bytes": ("always", "the same in host memory (on a CPU, the device figure again)"),
     "rank_init_peak_memory_bytes": ("several processes", "each process's creation peak"),
     "train_seconds": ("always", "training time, less the two tracked steps"),
-    "test_accuracy": ("always", "accuracy on the test split, 0 to 1"),
-    "test_samples": ("always", "how many test samples that accuracy counts"),
+    "task": ("always", "classification, or causal-lm (--task): what the model learns"),
+    "test_accuracy": ("always", "accuracy on the test split, 0 to 1 (null under causal-lm)"),
+    "test_samples": ("always", "how many test samples that accuracy counts (null under causal-lm)"),
+    "test_loss": ("under causal-lm", "the mean next-token loss on the test split, in nats"),
+    "test_perplexity": ("under causal-lm", "exp(test_loss)"),
+    "test_tokens": ("under causal-lm", "how many predicted tokens that loss averages"),
     "steps": ("always", "optimizer steps taken"),
     "epochs": ("always", "--epochs"),
     "seed": ("always", "--seed"),
@@ -79,18 +83,28 @@ def model_state_words(per_parameter, parameter_count, world_size):
                     "whole model)")
 
 
+def score_fields(score):
+    """The record's fields of a test score: accuracy and its samples, or under --task causal-lm
+    the next-token loss, its perplexity and its tokens (accuracy null)."""
+    if getattr(score, "name", "accuracy") == "accuracy":
+        return {"test_accuracy": float(score), "test_samples": getattr(score, "samples", None)}
+    return {"test_accuracy": None, "test_samples": None, "test_loss": round(float(score), 6),
+            "test_perplexity": round(score.perplexity, 3), "test_tokens": score.tokens}
+
+
 def run_words(record):
     """"preset tiny", or "model NAME on preset tiny-text" under --model."""
     model = record.get("model")
     return f"model {model} on preset {record['preset']}" if model else f"preset {record['preset']}"
 
 
-def report(args, script, creation, meter, progress, test_accuracy):
+def report(args, script, creation, meter, progress, test_score):
     """Print the summary of a finished run and write results/<script>.json; returns the record.
 
     `creation` is what measure_creation() gave, `meter` the run's MemoryMeter, `progress` its
-    Progress. Training time is the Progress clock less the steps the meter tracked (tracking
-    slows them down).
+    Progress, `test_score` what evaluate() gave on the test split (an accuracy, or under
+    --task causal-lm a next-token loss). Training time is the Progress clock less the steps the
+    meter tracked (tracking slows them down).
     """
     memory = meter.result()  # under several processes: collectives, so every process calls them
     created = creation.result()
@@ -109,8 +123,8 @@ def report(args, script, creation, meter, progress, test_accuracy):
         **memory,
         **created,
         "train_seconds": round(train_seconds, 3),
-        "test_accuracy": float(test_accuracy),
-        "test_samples": getattr(test_accuracy, "samples", None),  # how precise the accuracy is
+        "task": getattr(args, "task", "classification"),
+        **score_fields(test_score),
         "steps": progress.steps,
         "epochs": args.epochs,
         "seed": args.seed,
@@ -147,7 +161,9 @@ def report(args, script, creation, meter, progress, test_accuracy):
           + (f"  (host memory {mib(created['init_host_peak_memory_bytes'])})"
              if args.device.type == "cuda" else ""))
     print(f"training time            {train_seconds:.1f} s ({progress.steps} optimizer steps)")
-    print(f"test accuracy            {test_accuracy:.2%}")
+    name = getattr(test_score, "name", "accuracy")
+    print(f"test {name:<20}" + (f"{test_score:.2%}" if name == "accuracy"
+                                else str(test_score).removeprefix(name).strip()))
     path = Path(args.results_dir) / f"{record['script']}.json"
     try:
         write_json_atomically(path, record)

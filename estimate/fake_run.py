@@ -105,9 +105,15 @@ class FakeLoader:
         return {"pixel_values": torch.empty(size, 3, preset.image_size, preset.image_size,
                                             device=self.host)}
 
+    def labels(self):
+        """A class per sample, or under --task causal-lm a token per position."""
+        shape = (self.samples, self.preset.max_length) if self.preset.task == "causal-lm" else (
+            self.samples,)
+        return torch.zeros(shape, dtype=torch.int64, device=self.host)
+
     def __iter__(self):
         for _ in range(self.batches):
-            yield self.inputs(), torch.zeros(self.samples, dtype=torch.int64, device=self.host)
+            yield self.inputs(), self.labels()
 
 
 class SilentProgress(Progress):
@@ -116,7 +122,7 @@ class SilentProgress(Progress):
     def step(self, epoch, loss):
         self.steps += 1
 
-    def epoch(self, epoch, epochs, val_accuracy):
+    def epoch(self, epoch, epochs, val_score):
         pass
 
     def loss_values(self):
@@ -183,6 +189,7 @@ def stand_ins(run, world_size):
         if context is not None and context.type == "meta":
             return model
         model = materialise_fake(model, host if context is None else COMPUTE_DEVICE)
+        model.tie_weights()  # as common/model.py does: tied weights held once
         if not run.emulate_cuda:  # the CPU draws the initial weights where it trains: count them
             # all of them from scratch; a pretrained model's new head only (load_pretrained)
             initialise(model, None if preset.model is None else [classification_head(model)])
@@ -226,7 +233,7 @@ def stand_ins(run, world_size):
             yield run.creation
         run.creation_events = slice(start, run.trace.new_tracker())
 
-    def report(args, script, creation, meter, progress, test_accuracy):
+    def report(args, script, creation, meter, progress, test_score):
         meter.result()
         world_size = dist.get_world_size() if dist.is_initialized() else 1
         run.record = {"preset": args.preset, "model": args.model, "world_size": world_size,

@@ -14,7 +14,7 @@ from estimate.gpu_choices import DEFAULT_GPU, GPUS
 from estimate.predict import GB, Row, attempt, in_units, published_gb, save_records, setting
 from estimate.published import STUDY_RESERVED_GB
 from estimate.workers import worker_pool
-from common.presets import PRESETS, get_preset
+from common.presets import PRESETS, TASKS, get_preset
 from common.summary import PER_PARAMETER, PER_PARAMETER_NOTE
 from steps import scripts as numbered_scripts, step_id, step_of, with_parent
 
@@ -139,6 +139,9 @@ def parse_table_args(argv):
     parser.add_argument("--model", metavar="NAME_OR_DIR",
                         help="any Hugging Face image or sequence classifier: a Hub id, or a "
                              "directory holding its config.json (only the config is read)")
+    parser.add_argument("--task", choices=TASKS, default="classification",
+                        help="causal-lm: a decoder's next-token loss over each text (a text "
+                             "preset, imdb by default, or --model DECODER); default: classification")
     parser.add_argument("--seq-len", type=positive_int, help="with --model, text: tokens")
     parser.add_argument("--image-size", type=positive_int, help="with --model, images: pixels")
     parser.add_argument("--num-labels", type=positive_int, help="with --model: classes")
@@ -179,7 +182,7 @@ def parse_table_args(argv):
 def model_flags(args):
     """The flags each script gets for --model and --batch-size; the preset the model's task
     picks when --preset is not given (checked here once, as a script would check them)."""
-    flags = []
+    flags = ["--task", args.task] if args.task != "classification" else []
     if args.model is not None:
         flags += ["--model", args.model]
         for name in ("seq_len", "image_size", "num_labels"):
@@ -192,7 +195,9 @@ def model_flags(args):
     elif args.seq_len or args.image_size or args.num_labels:
         raise SystemExit("error: --seq-len, --image-size and --num-labels shape the model named "
                          "by --model (add --model NAME_OR_DIR)")
-    args.preset = args.preset or "article"
+    args.preset = args.preset or ("article" if args.task == "classification" else "imdb")
+    from common.cli import parse_args
+    parse_args("", [*flags, "--preset", args.preset, "--estimate"])  # a preset of the task
     if args.batch_size is not None:
         flags += ["--batch-size", str(args.batch_size)]
     return flags
@@ -207,6 +212,10 @@ def main(argv=None):
     if not scripts:
         raise SystemExit("error: nothing to estimate.\n" + "\n".join(f"  {note}" for note in notes))
     flags = model_flags(args)
+    other_task = [script for script in scripts if not step_of(script).trains(args.task)]
+    notes += [f"{script.stem} trains --task {step_of(script).task} only: add --task "
+              f"{step_of(script).task} to estimate it" for script in other_task if args.scripts]
+    scripts = [script for script in scripts if script not in other_task]
     not_estimated = {script: reason for script in scripts if (reason := cannot_estimate(script))}
     notes += [f"{script.stem} is not estimated: {reason}" for script, reason in not_estimated.items()]
     scripts = [script for script in scripts if script not in not_estimated]

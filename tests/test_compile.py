@@ -85,17 +85,21 @@ class AlsoCountingAllocations:
 
 @pytest.mark.timeout(120)
 def test_the_allocator_counts_the_eager_first_step_as_memtracker_does(tmp_path):
-    """01 in float32, one step, both counts over the same step: the same peak to the byte, the
-    same tensors by what they are; MemTracker counts a gradient from when autograd hands it
-    over, the allocator's count from its allocation, so only their sum with temporaries agrees."""
+    """01 in float32, one step, both counts over the same step: the same peak to the byte but
+    for the labels, the same tensors by what they are. The labels were made before the step: the
+    allocator's count never sees them, MemTracker counts them (as activations) once the model's
+    loss returns a view of them. MemTracker counts a gradient from when autograd hands it over,
+    the allocator's count from its allocation, so only their sum with temporaries agrees."""
     script = load_script("01")
     AlsoCountingAllocations(script)
-    _, meter = run_script("01", [*QUICK, "--max-steps", "1"], tmp_path, module=script)
+    record, meter = run_script("01", [*QUICK, "--max-steps", "1"], tmp_path, module=script)
     stats = device_snapshot(meter.allocations.get_tracker_snapshot("peak"), torch.device("cpu"))
     counted = fold_breakdown(stats)
-    assert stats["Total"] == meter.peak_bytes > 0
-    for key in ["parameters", "optimizer_state", "activations"]:
+    labels = record["batch_size"] * torch.tensor([], dtype=torch.int64).element_size()
+    assert stats["Total"] + labels == meter.peak_bytes > labels
+    for key in ["parameters", "optimizer_state"]:
         assert counted[key] == meter.breakdown[key], key
+    assert counted["activations"] + labels == meter.breakdown["activations"]
     assert (counted["gradients"] + counted["temporaries"]
             == meter.breakdown["gradients"] + meter.breakdown["temporaries"])
 

@@ -78,6 +78,8 @@ class StepRow:
     train_seconds: float | None = None
     test_accuracy: float | None = None
     test_samples: int | None = None  # how many test samples the accuracy was measured on
+    test_loss: float | None = None  # --task causal-lm: the next-token loss, in place of accuracy
+    test_perplexity: float | None = None
     model_state_bytes_per_parameter: float | None = None  # see common.memory
 
     def processes(self):
@@ -129,6 +131,8 @@ def step_row(script, record, outcome=None):
         train_seconds=finite(record.get("train_seconds")),
         test_accuracy=finite(record.get("test_accuracy")),
         test_samples=test_samples if test_samples and test_samples > 0 else None,
+        test_loss=finite(record.get("test_loss")),
+        test_perplexity=finite(record.get("test_perplexity")),
         model_state_bytes_per_parameter=finite(record.get("model_state_bytes_per_parameter")),
     )
 

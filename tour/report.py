@@ -78,16 +78,25 @@ def interval_note(rows):
             "samples were tested.\n")
 
 
+LOSS_NOTE = ('--task causal-lm: "test loss" is the mean next-token cross-entropy (nats) over '
+             "the test split's predicted tokens, padding left out; \"perplexity\" is exp(loss). "
+             "A model drawn from scratch starts near ln(vocabulary): 10.33 for 30,522 tokens.\n")
+
+
 def tour_table(rows):
     """A line per step: peak memory, ratio to 01, breakdown (all MiB), time, accuracy with its
     95% interval, status."""
     baseline = baseline_peak(rows)
     state = len(MODEL_STATE_KEYS)  # the breakdown's first columns; bytes per parameter after them
     categories = [key.replace("_", " ") for key in BREAKDOWN_KEYS]
+    losses = any(row.test_loss is not None for row in rows)  # --task causal-lm
     header = ["step", "peak MiB", "vs 01", *categories[:state], PER_PARAMETER, *categories[state:],
-              "training time", "test accuracy", "95% interval", "status"]
+              "training time", *(["test loss", "perplexity"] if losses
+                                 else ["test accuracy", "95% interval"]), "status"]
     lines = []
     for row in rows:
+        score = ([shown(row.test_loss, ".4f"), shown(row.test_perplexity, ",.1f")] if losses
+                 else [shown(in_units(row.test_accuracy, 0.01), ".1f", "%"), interval_cell(row)])
         ratio = row.peak_bytes / baseline if baseline and row.peak_bytes is not None else None
         mebibytes = [shown(in_units(row.breakdown_bytes[key], MIB), ",.2f")
                      for key in BREAKDOWN_KEYS]
@@ -97,8 +106,7 @@ def tour_table(rows):
                       *mebibytes[:state], shown(row.model_state_bytes_per_parameter, ".2f"),
                       *mebibytes[state:],
                       shown(row.train_seconds, ".1f", " s"),
-                      shown(in_units(row.test_accuracy, 0.01), ".1f", "%"),
-                      interval_cell(row),
+                      *score,
                       status(row)])
     return markdown_table(header, lines, "lrrrrrrrrrrrl")
 
@@ -147,7 +155,10 @@ def tour_markdown(rows, tour=None):
     launch = tour.get("sharded_launch")
     if isinstance(launch, dict) and launch.get("reason") and any(row.processes() for row in rows):
         parts.append(f"Sharded steps (07 on): {launch['reason']}.\n")
-    parts.append(interval_note(rows))
+    if any(row.test_loss is not None for row in rows):
+        parts.append(LOSS_NOTE)
+    else:
+        parts.append(interval_note(rows))
     parts.append(tour_table(rows) if rows else "No steps ran.\n")
     if "cuda" in devices and any(row.script[:3] in SYNCHRONIZING_STEPS for row in rows):
         parts.append(SYNCHRONIZING_NOTE)

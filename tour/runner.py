@@ -31,8 +31,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from common.cli import positive_int, processes_for
-from common.presets import PRESETS
-from steps import scripts as registered_scripts, step_id, step_of
+from common.presets import PRESETS, TASKS, for_task
+from steps import STEPS, scripts as registered_scripts, step_id, step_of
 from common.atomic_write import atomic_path, write_json_atomically
 from tour.records import ESTIMATE_FILE, TOUR_FILE, read_json
 from tour.report import (ESTIMATE_CHART, ESTIMATE_TABLE, REPORT_FILES, TOUR_CHART,
@@ -83,6 +83,12 @@ def select_scripts(scripts, wanted, parser):
                          + " ".join(script.stem for script in scripts))
         chosen.update(matches)
     return [script for script in scripts if script in chosen]
+
+
+def trains(script, task):
+    """Whether the script trains --task `task` (steps.py; a script it does not list trains any)."""
+    step = STEPS.get(step_id(script.name))
+    return step is None or step.trains(task)
 
 
 @dataclass
@@ -257,9 +263,13 @@ def parse_args(argv=None, scripts=()):
     parser.add_argument("--preset", choices=sorted(PRESETS), default=DEFAULT_PRESET,
                         help=f"passed to every script (default: {DEFAULT_PRESET}; tiny-text: "
                              "the steps on text, without the GPU estimate)")
+    parser.add_argument("--task", choices=TASKS, default="classification",
+                        help="passed to every script (causal-lm: text presets, with the scripts "
+                             "that train it; 04c trains only it)")
     parser.add_argument("--results-dir", type=Path,
                         help="where the records, tables and charts go (default: results, or "
-                             "results/PRESET for another preset than tiny)")
+                             "results/PRESET for another preset than tiny, results/PRESET-causal-lm "
+                             "under --task causal-lm)")
     parser.add_argument("--steps", nargs="+", metavar="NN",
                         help="run only these steps, e.g. --steps 01 03 (default: all)")
     parser.add_argument("--max-steps", type=positive_int,
@@ -279,12 +289,20 @@ def parse_args(argv=None, scripts=()):
                         help="also copy tour.md, tour.png, estimate.md and estimate.png to DIR "
                              "(docs, for the README)")
     args = parser.parse_args(argv)
-    args.scripts = select_scripts(list(scripts), args.steps, parser)
+    try:
+        for_task(PRESETS[args.preset], args.task)
+    except ValueError as problem:
+        parser.error(str(problem))
+    args.scripts = [script for script in select_scripts(list(scripts), args.steps, parser)
+                    if trains(script, args.task)]
     if not args.scripts:
-        parser.error(f"no numbered scripts ({SCRIPT_PATTERN}) found")
+        parser.error(f"no numbered scripts ({SCRIPT_PATTERN}) found that train --task {args.task}")
     if args.results_dir is None:
         args.results_dir = Path("results") / ("" if args.preset == DEFAULT_PRESET else args.preset)
+        if args.task != "classification":
+            args.results_dir = Path("results") / f"{args.preset}-{args.task}"
     args.passed_flags = [*(["--preset", args.preset] if args.preset != DEFAULT_PRESET else []),
+                         *(["--task", args.task] if args.task != "classification" else []),
                          *(["--max-steps", str(args.max_steps)] if args.max_steps else []),
                          *(["--epochs", str(args.epochs)] if args.epochs else []),
                          *(["--device", args.device] if args.device != "auto" else [])]
@@ -312,7 +330,7 @@ def main(argv=None, scripts_dir=None):
         if any(step_of(script).sharded for script in args.scripts):
             print(f"sharded steps: {args.launch.reason}", flush=True)
         estimate = (None if args.skip_estimate or args.preset not in ESTIMATED_PRESETS
-                    else estimate_step(staging))
+                    or args.task != "classification" else estimate_step(staging))
         total = len(steps) + (estimate is not None)
         outcomes = [run_step(step, staging, f"[{number}/{total}]", args.step_timeout)
                     for number, step in enumerate(steps, 1)]
@@ -321,7 +339,8 @@ def main(argv=None, scripts_dir=None):
         else:
             reason = ("--skip-estimate" if args.skip_estimate
                       else "the tour's GPU estimate predicts the image steps (article preset); "
-                           "for text, python -m estimate --preset imdb")
+                           "for text, python -m estimate --preset imdb"
+                           + (f" --task {args.task}" if args.task != "classification" else ""))
             estimate_outcome = {"script": "estimate", "status": "skipped", "error": reason}
         write_json_atomically(staging / TOUR_FILE, {
             "steps": outcomes, "estimate": estimate_outcome, "passed_flags": args.passed_flags,

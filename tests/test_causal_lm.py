@@ -1,0 +1,136 @@
+"""--task causal-lm: a decoder learns the next token of each text, on every script, and the
+chunked loss (04c) computes the same loss while holding less.
+
+The preset's decoder (tiny-text under causal-lm: a small Llama drawn from scratch) trains on
+every script and branch that trains the task; the architecture matrix's decoders train on the
+branch that touches the output layer itself (04c) and on its parent. Each run's estimate
+(--device cpu) is its peak to the byte.
+"""
+import re
+
+import pytest
+import torch
+
+from architecture_matrix import NOT_ESTIMATED, model_flags, write_model
+from conftest import QUICK, load_script, run_script
+from estimate.predict import predict
+from rounding import additions, assert_same_sum
+from steps import STEPS
+
+CAUSAL_LM = ["--task", "causal-lm"]
+DECODERS = ["GPT-2", "Llama", "Mistral", "Qwen2", "BLOOM"]
+
+
+def assert_estimate_is_peak(step, flags, real):
+    predicted = predict(STEPS[step].path, [*flags, "--device", "cpu"], world_size=1)
+    assert predicted["allocated_bytes"] == real["peak_memory_bytes"]
+    assert predicted["breakdown_bytes"] == real["breakdown_bytes"]
+
+
+@pytest.mark.parametrize("step", [step for step in STEPS if STEPS[step].trains("causal-lm")])
+def test_every_script_trains_a_decoder_on_next_tokens_and_its_estimate_is_that_runs_peak(
+        step, small_snippets, tmp_path):
+    flags = [*CAUSAL_LM, "--batch-size", "8"]  # 4 micro-batches of 2 where a script accumulates
+    real, _ = run_script(step, [*flags, *QUICK], tmp_path)
+    assert real["task"] == "causal-lm" and real["preset"] == "tiny-text"
+    assert real["test_accuracy"] is None and real["test_tokens"] > 0
+    # the test loss after two steps is below the first step's loss, at the weights drawn anew
+    # (about ln 30,522 = 10.33 nats): the model learned, if only which tokens are common
+    assert real["test_loss"] < real["losses"][0]
+    assert real["test_perplexity"] == pytest.approx(torch.tensor(real["test_loss"]).exp().item(),
+                                                    rel=1e-5)
+    if step not in NOT_ESTIMATED:
+        assert_estimate_is_peak(step, flags, real)
+
+
+@pytest.mark.parametrize("name", DECODERS)
+def test_every_decoder_trains_on_next_tokens_whole_and_chunked(name, small_snippets, tmp_path):
+    folder = write_model(tmp_path / re.sub(r"\W", "", name.lower()), name)
+    flags = [*model_flags(folder, name), *CAUSAL_LM, "--accum-steps", "2"]
+    parent, _ = run_script("04", [*flags, *QUICK], tmp_path)
+    chunked, _ = run_script("04c", [*flags, *QUICK], tmp_path)
+    assert chunked["peak_memory_bytes"] < parent["peak_memory_bytes"]
+    assert chunked["losses"][0] == pytest.approx(parent["losses"][0], rel=2**-7)  # bfloat16 logits
+    assert_estimate_is_peak("04c", flags, chunked)
+
+
+def test_the_chunked_loss_holds_less_than_its_parent_by_at_least_the_logits(small_snippets,
+                                                                            tmp_path):
+    """04c frees the float32 logits of a micro-batch (and their log-probabilities) that 04 keeps
+    from the loss to backward."""
+    from common.presets import PRESETS, for_task
+    parent, _ = run_script("04", [*CAUSAL_LM, *QUICK], tmp_path)
+    chunked, meter = run_script("04c", [*CAUSAL_LM, *QUICK], tmp_path)
+    micro_batch = parent["batch_size"] // parent["accum_steps"]
+    tokens = for_task(PRESETS["tiny-text"], "causal-lm").max_length
+    logits_bytes = micro_batch * tokens * meter.model.config.vocab_size * 4  # float32
+    assert parent["peak_memory_bytes"] - chunked["peak_memory_bytes"] >= logits_bytes
+
+
+def test_the_chunked_loss_is_the_models_own_loss_within_rounding():
+    """In float32, on a padded batch: the mean over every predicted token, padding left out."""
+    from common.cli import parse_args
+    from common.model import create_model
+    from common.presets import preset_for
+    torch.manual_seed(0)
+    preset = preset_for(parse_args("", CAUSAL_LM))
+    model = create_model(preset)
+    ids = torch.randint(1000, preset.config["vocab_size"], (3, 20))
+    mask = torch.ones_like(ids)
+    mask[0, 12:] = mask[1, 5:] = 0  # padded
+    labels = ids.masked_fill(mask == 0, -100)
+    inputs = {"input_ids": ids, "attention_mask": mask}
+    whole = model(**inputs, labels=labels).loss
+    chunked = load_script("04c").chunked_loss(model, inputs, labels)
+    with torch.no_grad():  # each predicted token's loss, by hand, for the size of the sums
+        logits = model(**inputs).logits[:, :-1]
+        targets = labels[:, 1:]
+        token_losses = torch.nn.functional.cross_entropy(
+            logits.flatten(0, 1), targets.flatten(), ignore_index=-100, reduction="none")
+    tokens = int((targets != -100).sum())
+    assert tokens == 11 + 4 + 19  # padding predicts nothing and is never predicted
+    assert whole.item() == pytest.approx(token_losses.sum().item() / tokens, rel=1e-5)
+    assert_same_sum(chunked.detach(), whole.detach(), token_losses.abs().sum() / tokens,
+                    additions(model.config, tokens), what="chunked loss")
+
+
+def test_the_text_labels_are_the_tokens_with_padding_left_out():
+    from common.data import IGNORED, tokenized
+    from common.data import tokenizer_for
+    from common.presets import PRESETS, for_task
+    preset = for_task(PRESETS["tiny-text"], "causal-lm")
+    data = tokenized(["a short review", "a review that is a good deal longer than that"],
+                     [0, 1], tokenizer_for(preset), 12, task="causal-lm")
+    for sample in data:
+        real = sample["attention_mask"] == 1
+        assert torch.equal(sample["label"][real], sample["input_ids"][real])
+        assert (sample["label"][~real] == IGNORED).all()
+    assert (data[0]["attention_mask"] == 0).any()  # the short one is padded
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--task", "causal-lm", "--preset", "tiny"], "holds images, which have no next token"),
+    (["--task", "causal-lm", "--model", "{bert}"], "'bert' model is not one"),
+])
+def test_causal_lm_where_there_is_no_next_token_or_no_decoder_stops_with_a_message(
+        argv, words, tmp_path, capsys):
+    from common.cli import parse_args
+    folder = write_model(tmp_path / "bert", "BERT")
+    with pytest.raises(SystemExit):
+        parse_args("", [arg.format(bert=folder) for arg in argv])
+    assert words in capsys.readouterr().err
+
+
+def test_the_chunked_loss_refuses_classification_with_a_message(capsys):
+    with pytest.raises(SystemExit):
+        load_script("04c").main(["--task", "classification"])
+    assert "trains --task causal-lm only" in capsys.readouterr().err
+
+
+def test_the_tour_table_shows_the_loss_of_a_causal_lm_run():
+    from tour.records import step_row
+    from tour.report import tour_table
+    table = tour_table([step_row("04c_chunked_loss", {"peak_memory_bytes": 2**20, "test_loss": 7.5,
+                                                      "test_perplexity": 1808.04})])
+    assert "test loss" in table and "7.5000" in table and "1,808.0" in table
+    assert "test accuracy" not in table
