@@ -43,7 +43,7 @@ class Step:
 
     @property
     def task(self):
-        """The only task the script trains, as it tells parse_args (04c: "causal-lm"), or None
+        """The only task the script trains, as it tells parse_args (05g: "causal-lm"), or None
         when it trains any (--task)."""
         found = re.search(r'task="([\w-]+)"', self.path.read_text())
         return found.group(1) if found else None
@@ -60,7 +60,6 @@ STEPS = {step.id: step for step in [
     Step("04", "gradient accumulation", "03"),
     Step("04a", "optimizer in backward", "03"),
     Step("04b", "stochastic rounding", "03"),
-    Step("04c", "chunked loss", "04"),
     Step("05", "plain SGD", "04"),
     Step("05a", "8-bit AdamW", "04"),
     Step("05b", "Adafactor", "04"),
@@ -68,6 +67,7 @@ STEPS = {step.id: step for step in [
     Step("05d", "selective checkpointing", "05c"),
     Step("05e", "activation offloading", "05c"),
     Step("05f", "Adam on the host", "04"),
+    Step("05g", "chunked loss", "04"),
     Step("06", "on-device init", "05"),
     Step("07", "FSDP", "06", sharded=True),
     Step("07a", "LoRA", "06"),

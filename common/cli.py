@@ -68,7 +68,7 @@ def parse_args(description, argv=None, accum_steps=None, sharded=False, no_accum
     """Parse the shared flags; `accum_steps` (from step 04 on) adds --accum-steps with that
     default, `sharded` (07 on) --reshard-after-forward, `lora` (07a) --lora-rank, --lora-alpha
     and --lora-targets; `no_accumulation`, the reason a script refuses --accum-steps (04a),
-    turns that flag into an error saying so; `task`, the only task a script trains (04c:
+    turns that flag into an error saying so; `task`, the only task a script trains (05g:
     causal-lm), is --task's default, and any other is refused.
 
     The preset the run trains, --model's classifier in place of the preset's own when given, is

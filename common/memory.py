@@ -189,7 +189,7 @@ class MemoryMeter:
         if module is self.model:
             self.tracker.reset_mod_stats()
             return
-        # A part of the model called again from outside it (04c: the blocks once per micro-batch,
+        # A part of the model called again from outside it (05g: the blocks once per micro-batch,
         # the output layer once per piece of the sequence) would be refused likewise: its own
         # statistics start anew, which leaves the overall peak that the meter reads as it is.
         modules = getattr(self.tracker, "_mod_tracker", None)

@@ -114,8 +114,8 @@ PRESETS = {
 TASKS = ("classification", "causal-lm")
 
 # --task causal-lm: what changes in a text preset. Nothing pretrained ships offline as a decoder, so
-# tiny-text draws a small Llama from scratch (MiniLM's 30,522-token vocabulary, its tokenizer; 4.2M
-# parameters, 3.9M of them the input and output embeddings, so that the logits are the largest
+# tiny-text draws a small Llama from scratch (MiniLM's 30,522-token vocabulary, its tokenizer; 4.03M
+# parameters, 3.91M of them the input and output embeddings, so that the logits are the largest
 # tensor, as in a finetuned LLM); imdb finetunes BLOOM-560m itself as a language model
 CAUSAL_LM = {
     "tiny-text": dict(

@@ -20,7 +20,7 @@ from steps import STEPS, scripts as numbered_scripts, step_id
 from conftest import QUICK, ROOT, run_script, run_to_end
 
 SCRIPTS = {step_id(script.name): script for script in numbered_scripts()}
-# the matrix trains classifiers; 04c trains --task causal-lm only (tests/test_causal_lm.py)
+# the matrix trains classifiers; 05g trains --task causal-lm only (tests/test_causal_lm.py)
 CLASSIFYING = [step for step in SCRIPTS if STEPS[step].trains("classification")]
 NO_EMULATION = ["--device", "cpu"]
 

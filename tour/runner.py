@@ -265,7 +265,7 @@ def parse_args(argv=None, scripts=()):
                              "the steps on text, without the GPU estimate)")
     parser.add_argument("--task", choices=TASKS, default="classification",
                         help="passed to every script (causal-lm: text presets, with the scripts "
-                             "that train it; 04c trains only it)")
+                             "that train it; 05g trains only it)")
     parser.add_argument("--results-dir", type=Path,
                         help="where the records, tables and charts go (default: results, or "
                              "results/PRESET for another preset than tiny, results/PRESET-causal-lm "

@@ -1,4 +1,4 @@
-"""04c chunked loss: 04 with a causal language model's loss over its vocabulary, a piece at a time.
+"""05g chunked loss: 04 with a causal language model's loss over its vocabulary, a piece at a time.
 
 A language model's last layer gives every position of every sequence a score (a logit) for every
 token of its vocabulary, and the loss upcasts them to float32: for Llama 3's 128,256 tokens at
