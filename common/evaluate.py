@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torchmetrics.classification import MulticlassAccuracy
 
-from common.data import IGNORED, to_device
+from common.data import IGNORED, split_batch, to_device
 
 
 class Accuracy(float):
@@ -88,13 +88,21 @@ def accuracy(model, loader, device, dtype):
 
 
 def token_loss(model, loader, device, dtype):
+    """The mean next-token loss, one text at a time in one process: a text's logits and their
+    float32 copies (10 bytes x tokens x vocabulary) are evaluation's largest tensors, and a whole
+    batch's could exceed what training, in micro-batches, ever holds. Processes that shard the
+    model (07-09) evaluate their share of each batch at once: each forward gathers the weights
+    with the other processes, so all of them must run as many, whatever their share's size."""
+    sharded = dist.is_available() and dist.is_initialized()
     total = torch.zeros(2, dtype=torch.float64, device=device)  # summed loss, predicted tokens
     for inputs, labels in loader:
-        labels = labels.to(device)
-        tokens = (labels[:, 1:] != IGNORED).sum()  # each position predicts the next token
-        loss = model(**to_device(inputs, device, dtype), labels=labels).loss  # their mean
-        if tokens:
-            total += torch.stack([loss.double() * tokens, tokens.double()])
+        for one_input, one_labels in split_batch(inputs, labels, len(labels) if sharded else 1):
+            one_labels = one_labels.to(device)
+            tokens = (one_labels[:, 1:] != IGNORED).sum()  # each position predicts the next
+            loss = model(**to_device(one_input, device, dtype), labels=one_labels).loss  # mean
+            # a text too short to predict anything has a NaN mean: it adds nothing (no sync)
+            total += torch.stack([torch.where(tokens > 0, loss.double() * tokens, 0.0),
+                                  tokens.double()])
     if dist.is_available() and dist.is_initialized():
         dist.all_reduce(total)  # every process's sums
     summed, tokens = total.tolist()

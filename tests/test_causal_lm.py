@@ -135,3 +135,21 @@ def test_the_tour_table_shows_the_loss_of_a_causal_lm_run():
                                                       "test_perplexity": 1808.04})])
     assert "test loss" in table and "7.5000" in table and "1,808.0" in table
     assert "test accuracy" not in table
+
+
+@pytest.mark.timeout(300)
+def test_a_decoder_trains_on_next_tokens_in_two_processes(tmp_path):
+    """09 (sharded, offloaded, checkpointed) under torchrun: the test loss sums every process's
+    tokens."""
+    import json
+    import sys
+    from conftest import run_to_end
+    folder = write_model(tmp_path / "llama", "Llama")
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+               str(STEPS["09"].path), *model_flags(folder, "Llama"), *CAUSAL_LM, *QUICK,
+               "--results-dir", str(tmp_path)]
+    code, output = run_to_end(command)
+    assert code == 0, output
+    record = json.loads((tmp_path / "09_activation_checkpointing.json").read_text())
+    assert record["world_size"] == 2 and record["task"] == "causal-lm"
+    assert record["test_loss"] < record["losses"][0] and record["test_tokens"] > 0
