@@ -68,6 +68,7 @@ def test_the_chunked_loss_holds_less_than_its_parent_by_at_least_the_logits(smal
     assert parent["peak_memory_bytes"] - chunked["peak_memory_bytes"] >= logits_bytes
 
 
+@pytest.mark.numerical
 def test_the_chunked_loss_is_the_models_own_loss_within_rounding():
     """In float32, on a padded batch: the mean over every predicted token, padding left out."""
     from common.cli import parse_args
