@@ -9,7 +9,7 @@ emulated) and three rules computed from the same model config, each as predicted
 (1.00 is exact, below 1 too low); then which one came closest in each row (the smallest
 |predicted / measured - 1|). Offline: the configs are in common/presets.py and
 docs/models/bert-large-uncased-eager/config.json; nothing comes from the Hub. Nine estimates, two
-at a time: 68-75 s on 2 cores shared with other work (the rules take no time).
+at a time: 44 s on 2 idle cores, 68-75 s shared with other work (the rules take no time).
 
 The published figures, and where they were read:
 
