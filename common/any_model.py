@@ -124,8 +124,9 @@ def with_model(preset, name_or_dir, seq_len=None, image_size=None, num_labels=No
     config, has_weights = read_config(name_or_dir)
     task = task_of(config.model_type)
     if preset.task == "causal-lm":
-        if decoder_problem(name_or_dir, config):
-            raise ModelProblem(decoder_problem(name_or_dir, config))
+        problem = decoder_problem(name_or_dir, config)
+        if problem:
+            raise ModelProblem(problem)
         task = "text"  # a decoder, with or without a classifier
     if task is None:
         raise ModelProblem(

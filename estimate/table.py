@@ -216,6 +216,8 @@ def main(argv=None):
     notes += [f"{script.stem} trains --task {step_of(script).task} only: add --task "
               f"{step_of(script).task} to estimate it" for script in other_task if args.scripts]
     scripts = [script for script in scripts if script not in other_task]
+    if not scripts:
+        raise SystemExit("error: nothing to estimate.\n" + "\n".join(f"  {note}" for note in notes))
     not_estimated = {script: reason for script in scripts if (reason := cannot_estimate(script))}
     notes += [f"{script.stem} is not estimated: {reason}" for script, reason in not_estimated.items()]
     scripts = [script for script in scripts if script not in not_estimated]

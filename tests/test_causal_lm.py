@@ -144,3 +144,13 @@ def test_a_decoder_trains_on_next_tokens_in_two_processes(tmp_path):
     record = json.loads((tmp_path / "09_activation_checkpointing.json").read_text())
     assert record["world_size"] == 2 and record["task"] == "causal-lm"
     assert record["test_loss"] < record["losses"][0] and record["test_tokens"] > 0
+
+
+def test_asking_for_the_chunked_loss_without_its_task_says_to_add_it(tmp_path, capsys):
+    import estimate.table
+    from tour import runner
+    with pytest.raises(SystemExit, match="05g_chunked_loss trains --task causal-lm only"):
+        estimate.table.main(["--scripts", "05g", "--results-dir", str(tmp_path)])
+    with pytest.raises(SystemExit):
+        runner.parse_args(["--steps", "05g"], runner.find_scripts())
+    assert "add --task causal-lm" in capsys.readouterr().err

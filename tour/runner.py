@@ -293,10 +293,13 @@ def parse_args(argv=None, scripts=()):
         for_task(PRESETS[args.preset], args.task)
     except ValueError as problem:
         parser.error(str(problem))
-    args.scripts = [script for script in select_scripts(list(scripts), args.steps, parser)
-                    if trains(script, args.task)]
+    selected = select_scripts(list(scripts), args.steps, parser)
+    args.scripts = [script for script in selected if trains(script, args.task)]
+    if selected and not args.scripts:
+        parser.error(f"--steps {' '.join(args.steps)}: they train another task than --task "
+                     f"{args.task} (add --task {step_of(selected[0]).task})")
     if not args.scripts:
-        parser.error(f"no numbered scripts ({SCRIPT_PATTERN}) found that train --task {args.task}")
+        parser.error(f"no numbered scripts ({SCRIPT_PATTERN}) found")
     if args.results_dir is None:
         args.results_dir = Path("results") / ("" if args.preset == DEFAULT_PRESET else args.preset)
         if args.task != "classification":
