@@ -1,14 +1,15 @@
-"""The numbered scripts, one entry each: what a step is, in one place.
+"""The numbered scripts, one entry each: every fact about a step lives here and nowhere else.
 
 A step NN is its parent, step NN-1, plus one technique; a branch NNx (05a_adamw_8bit.py) is
-another choice at step NN, so it starts from the same parent, and its diff against that parent
-shows its own technique. Each marks the lines its technique adds with its tag (`# FSDP: ...`).
-Steps from 07 on shard the model and run as one process per device under torchrun.
+another choice at step NN, and its diff against its parent shows its own technique. Each marks
+the lines its technique adds with its tag (`# FSDP: ...`). Steps from 07 on shard the model and
+run as one process per device under torchrun. The combined script (10) is no technique's diff:
+it has every technique behind a switch, and `switches` says how it reproduces each script.
 
 Adding a step or a branch means adding its script, NN[x]_name.py, and its entry below; the tour,
 the estimate table and the tests (its diff, its tag, the README's list of tags) take it from here.
 """
-import re
+import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,6 +22,14 @@ class Step:
     tag: str | None         # the comment tag on the lines it adds (01 adds none)
     parent: str | None      # the step it starts from, whose diff shows its technique
     sharded: bool = False   # one process per device under torchrun (a group of one alone)
+    accum_steps: int = 1    # its --accum-steps default (1: it takes no micro-batches)
+    task: str | None = None  # the only task it trains (05g: "causal-lm"); None: any (--task)
+    switches: tuple = ()    # the combined script's flags that train as this script does
+    restores: str | None = None  # a step whose lines it gives back (03 gives 01's back)
+    removes: tuple = ()     # earlier steps whose technique it takes out on purpose
+    synchronizes: bool = False  # its optimizer waits for the GPU once per parameter
+    combined: bool = False  # the combined script: every technique behind a switch
+    by_hand: str | None = None  # why the estimate cannot run it, and the rule to use instead
 
     @property
     def path(self):
@@ -32,48 +41,58 @@ class Step:
         return found[0]
 
     @property
+    def name(self):
+        """The script's file name without .py: "05a_adamw_8bit"."""
+        return self.path.stem
+
+    @property
     def is_branch(self):
         return not self.id.isdigit()
-
-    @property
-    def accum_steps(self):
-        """The --accum-steps default the script gives parse_args (1 when it has no such flag)."""
-        found = re.search(r"accum_steps=(\d+)", self.path.read_text())
-        return int(found.group(1)) if found else 1
-
-    @property
-    def task(self):
-        """The only task the script trains, as it tells parse_args (05g: "causal-lm"), or None
-        when it trains any (--task)."""
-        found = re.search(r'task="([\w-]+)"', self.path.read_text())
-        return found.group(1) if found else None
 
     def trains(self, task):
         """Whether the script trains `task` ("classification" or "causal-lm")."""
         return self.task in (None, task)
 
 
+QLORA_BY_HAND = (
+    "bitsandbytes' 4-bit weights (Params4bit, a tensor subclass built around real data and "
+    "quantized by bitsandbytes' kernels) cannot be made from fake tensors, so the estimate cannot "
+    "run it. By hand: 07a's estimate, less 1.48 bytes per quantized weight (NF4 with its scales "
+    "holds 0.52 bytes where bfloat16 holds 2); docs/branches.md works it out for the presets. Or "
+    "measure it: python 07b_qlora.py --device cpu (or on a GPU)")
+
+ACCUM = ("--accum-steps", "4")
 STEPS = {step.id: step for step in [
-    Step("01", None, None),
-    Step("02", "mixed precision", "01"),
-    Step("03", "bf16-true", "02"),
-    Step("04", "gradient accumulation", "03"),
-    Step("04a", "optimizer in backward", "03"),
-    Step("04b", "stochastic rounding", "03"),
-    Step("05", "plain SGD", "04"),
-    Step("05a", "8-bit AdamW", "04"),
-    Step("05b", "Adafactor", "04"),
-    Step("05c", "checkpointing on one device", "04"),
-    Step("05d", "selective checkpointing", "05c"),
-    Step("05e", "activation offloading", "05c"),
-    Step("05f", "Adam on the host", "04"),
-    Step("05g", "chunked loss", "04"),
-    Step("06", "on-device init", "05"),
-    Step("07", "FSDP", "06", sharded=True),
-    Step("07a", "LoRA", "06"),
-    Step("07b", "QLoRA", "07a"),
-    Step("08", "offload", "07", sharded=True),
-    Step("09", "checkpointing", "08", sharded=True),
+    Step("01", None, None, switches=("--precision", "fp32")),
+    Step("02", "mixed precision", "01", switches=("--precision", "mixed")),
+    Step("03", "bf16-true", "02", restores="01", removes=("02",)),
+    Step("04", "gradient accumulation", "03", accum_steps=4, switches=ACCUM),
+    Step("04a", "optimizer in backward", "03", switches=("--optimizer-in-backward",)),
+    Step("04b", "stochastic rounding", "03", switches=("--stochastic-rounding",)),
+    Step("05", "plain SGD", "04", accum_steps=4, switches=(*ACCUM, "--optimizer", "sgd")),
+    Step("05a", "8-bit AdamW", "04", accum_steps=4, synchronizes=True,
+         switches=(*ACCUM, "--optimizer", "adamw-8bit")),
+    Step("05b", "Adafactor", "04", accum_steps=4, synchronizes=True,
+         switches=(*ACCUM, "--optimizer", "adafactor")),
+    Step("05c", "checkpointing on one device", "04", accum_steps=4,
+         switches=(*ACCUM, "--checkpointing", "full")),
+    Step("05d", "selective checkpointing", "05c", accum_steps=4,
+         switches=(*ACCUM, "--checkpointing", "selective")),
+    Step("05e", "activation offloading", "05c", accum_steps=4,
+         switches=(*ACCUM, "--checkpointing", "offloaded")),
+    Step("05f", "Adam on the host", "04", accum_steps=4,
+         switches=(*ACCUM, "--optimizer-on-host")),
+    Step("05g", "chunked loss", "04", accum_steps=4, task="causal-lm",
+         switches=(*ACCUM, "--loss", "chunked")),
+    Step("06", "on-device init", "05", accum_steps=4, switches=(*ACCUM, "--optimizer", "sgd")),
+    Step("07", "FSDP", "06", sharded=True, accum_steps=4, switches=(*ACCUM, "--optimizer", "sgd")),
+    Step("07a", "LoRA", "06", accum_steps=4, removes=("05",), switches=(*ACCUM, "--lora-rank", "8")),
+    Step("07b", "QLoRA", "07a", accum_steps=4, by_hand=QLORA_BY_HAND,
+         switches=(*ACCUM, "--lora-rank", "8", "--qlora")),
+    Step("08", "offload", "07", sharded=True, accum_steps=4,
+         switches=(*ACCUM, "--optimizer", "sgd", "--offload")),
+    Step("09", "checkpointing", "08", sharded=True, accum_steps=4,
+         switches=(*ACCUM, "--optimizer", "sgd", "--offload", "--checkpointing", "full")),
 ]}
 
 
@@ -96,8 +115,43 @@ def scripts():
     return sorted(step.path for step in STEPS.values())
 
 
+class UnknownStep(ValueError):
+    """A name given to --steps that matches no script; its message lists those that exist."""
+
+
+def select(names, task=None):
+    """The steps that `names` pick, in tour order: "3", "03", "03_bf16", "03_bf16.py" or a path
+    pick step 03; a bare number also picks its step's branches (05: 05 and 05a-05g); no names
+    pick every step. With `task`, steps that do not train it are left out. Raises UnknownStep
+    naming the scripts there are."""
+    every = sorted(STEPS.values(), key=lambda step: step.id)
+    chosen = set()
+    for name in names or ():
+        token = Path(str(name)).stem
+        if token.isdigit():
+            matches = [step for step in every if int(step.id[:2]) == int(token)]
+        else:
+            matches = [step for step in every if token in (step.id, step.name)]
+        if not matches:
+            raise UnknownStep(f"no script {name!r}; the scripts are: "
+                              + " ".join(step.id for step in every))
+        chosen.update(matches)
+    picked = [step for step in every if not names or step in chosen]
+    return [step for step in picked if task is None or step.trains(task)]
+
+
 def with_parent(name):
     """The script's name, and for a branch its parent: "05a_adamw_8bit (branch of 04)"."""
     step = STEPS.get(step_id(name))
     stem = Path(name).stem
     return f"{stem} (branch of {step.parent})" if step is not None and step.is_branch else stem
+
+
+def import_script(path, prefix="script"):
+    """A fresh module object of the script at `path`, under a name no import uses (a numbered
+    script's name starts with a digit, so `import` cannot name it)."""
+    path = Path(path)
+    spec = importlib.util.spec_from_file_location(f"_{prefix}_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

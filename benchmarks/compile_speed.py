@@ -34,7 +34,7 @@ def run_one(step, flags, results_dir):
     from torch._dynamo.utils import counters
 
     from common.compiled_memory import AllocationTracker
-    from estimate.script_import import import_script
+    from steps import import_script
     from common.memory import compile_seconds, device_snapshot, fold_breakdown
 
     script = import_script(next(ROOT.glob(f"{step}_*.py")))

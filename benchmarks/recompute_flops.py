@@ -28,7 +28,7 @@ from common.model import model_class, model_config, transformer_blocks  # noqa: 
 from common.presets import PRESETS, get_preset, is_text  # noqa: E402
 from steps import STEPS  # noqa: E402
 from estimate.fake_tensor_patches import FakeModeReadingZeros  # noqa: E402
-from estimate.script_import import import_script  # noqa: E402
+from steps import import_script  # noqa: E402
 
 
 def micro_batch(preset, size):

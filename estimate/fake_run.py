@@ -34,7 +34,7 @@ from estimate.fake_tensor_patches import (FakeModeReadingZeros, device_meshes_ma
                                sharding_propagation_apart, swappable_fake_parameters,
                                with_global_peak_only)
 from estimate.contract import EstimateError, check_contract, required_names
-from estimate.script_import import import_script
+from steps import import_script
 from common.memory import FSDPMemTracker, MemoryMeter, is_sharded, memory_tracker
 from common.memory import measure_creation as real_measure_creation
 from common.model import (classification_head, initialise, model_class, model_config,

@@ -13,7 +13,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from estimate.script_import import import_script  # noqa: E402 (needs the path above)
+from steps import import_script  # noqa: E402 (needs the path above)
 
 # Tests that check what a CPU run counts pin the CPU, also on a machine with CUDA; the tests
 # that only a GPU can answer are marked `requires_cuda` and skipped, with the reason, elsewhere.

@@ -20,11 +20,6 @@ from conftest import QUICK, ROOT, script_path
 
 # the tag each step puts on the lines it adds (steps.py; also listed in the README)
 TAGS = {step.id: step.tag for step in STEPS.values() if step.tag}
-# 03 replaces 02's mixed precision: the lines it gives back to 01 need no tag of their own
-RESTORED_FROM = {"03": "01"}
-# techniques a step takes out on purpose: 03 mixed precision (bfloat16 replaces it), 07a plain
-# SGD (LoRA's adapters are few enough for Adam)
-REMOVED_ON_PURPOSE = {("03", "02"), ("07a", "05")}
 
 
 def comments(source):
@@ -95,7 +90,7 @@ def dropped_tags(before, after, step):
         if kind == "equal":
             continue
         for earlier_step, tag in TAGS.items():
-            if earlier_step >= step or (step, earlier_step) in REMOVED_ON_PURPOSE:
+            if earlier_step >= step or earlier_step in STEPS[step].removes:
                 continue
             removed = sum(has_tag(old_notes.get(n + 1), tag) for n in range(old_first, old_last))
             kept = sum(has_tag(new_notes.get(n + 1), tag) for n in range(first, last))
@@ -110,8 +105,8 @@ STEP_PAIRS = [(step.parent, step.id) for step in STEPS.values() if step.parent]
 @pytest.mark.parametrize("previous, step", STEP_PAIRS)
 def test_every_changed_block_opens_with_its_steps_tag(previous, step):
     before, after = script_path(previous).read_text(), script_path(step).read_text()
-    restored = (set(code_lines(script_path(RESTORED_FROM[step]).read_text()))
-                if step in RESTORED_FROM else set())
+    gives_back = STEPS[step].restores  # 03 gives 01's lines back: they need no tag of their own
+    restored = set(code_lines(script_path(gives_back).read_text())) if gives_back else set()
     assert untagged_blocks(before, after, step, restored) == []
 
 
