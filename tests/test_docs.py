@@ -162,7 +162,7 @@ def shown_tables(document):
 
 def test_the_readme_shows_the_tour_table():
     assert [path.relative_to(ROOT).as_posix() for path, _ in shown_tables(ROOT / "README.md")] == [
-        "docs/tour.md"]
+        "docs/tour-table.md"]
 
 
 @pytest.mark.parametrize("document", DOCUMENTS, ids=lambda path: path.name)

@@ -19,8 +19,8 @@ from tour.charts import estimate_figure, save_png, tour_figure
 from tour.records import (ESTIMATE_FILE, GB, MIB, in_units, load_estimate_rows,
                                   load_step_rows, read_tour, shown)
 
-TOUR_TABLE, TOUR_CHART = "tour.md", "tour.png"
-ESTIMATE_TABLE, ESTIMATE_CHART = "estimate.md", "estimate.png"
+TOUR_TABLE, TOUR_CHART = "tour-table.md", "tour-chart.png"
+ESTIMATE_TABLE, ESTIMATE_CHART = "estimate-table.md", "estimate-chart.png"
 REPORT_FILES = (TOUR_TABLE, TOUR_CHART, ESTIMATE_TABLE, ESTIMATE_CHART)
 ERROR_CELL_CHARS = 160  # the full error lines go below the table
 

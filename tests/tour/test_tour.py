@@ -15,7 +15,7 @@ from common.memory import BREAKDOWN_KEYS
 from tour import runner as tour
 from tour.charts import NOT_BROKEN_DOWN, estimate_figure, tour_figure
 from tour.records import GB, MIB, load_estimate_rows, load_step_rows, wilson_interval
-from tour.report import write_report
+from tour.report import ESTIMATE_CHART, ESTIMATE_TABLE, TOUR_CHART, TOUR_TABLE, write_report
 from conftest import QUICK, ROOT
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -80,7 +80,7 @@ def recorded(tmp_path):
 
 def test_report_table_rows_ratios_and_failures(recorded):
     text = write_report(recorded)
-    table = (recorded / "tour.md").read_text()
+    table = (recorded / TOUR_TABLE).read_text()
     assert table in text  # what is printed is what is written
     rows = table_rows(table)
     assert list(rows) == ["01_baseline", "02_mixed_precision", "03_bf16", "07_fsdp (2 processes, cpu)"]
@@ -98,7 +98,7 @@ def test_report_table_rows_ratios_and_failures(recorded):
 
 def test_report_tour_table_shows_the_model_state_per_parameter_beside_the_activations(recorded):
     write_report(recorded)
-    text = (recorded / "tour.md").read_text()
+    text = (recorded / TOUR_TABLE).read_text()
     rows = table_rows(text)
     # 01: (3,286,568 + 6,184 + 6,573,424) bytes / 821,642 parameters
     assert rows["01_baseline"][4:7] == ["6.27", "12.01", "17.44"]
@@ -110,7 +110,7 @@ def test_report_tour_table_shows_the_model_state_per_parameter_beside_the_activa
 
 def test_report_estimate_table_marks_the_studys_figures(recorded):
     write_report(recorded)
-    rows = table_rows((recorded / "estimate.md").read_text())
+    rows = table_rows((recorded / ESTIMATE_TABLE).read_text())
     # setting, allocated, reserved, study, ratio, creation, model state B/param, activations
     assert rows["01_baseline"] == ["batch 64", "25.10", "26.50", "26.84", "0.99",
                                    "n/a", "16.00", "19.00"]  # no creation
@@ -119,19 +119,19 @@ def test_report_estimate_table_marks_the_studys_figures(recorded):
     assert rows["04_grad_accum"][:1] == ["batch 16, 4 micro-batches"]
     assert rows["07_fsdp"][3:5] == ["n/a", "n/a"]  # the study has no 4-GPU figure for this setting
     assert rows["07_fsdp"][5:] == ["0.16", "8.00", "0.70"]  # creation, per GPU
-    assert "03_bf16 at batch 64: 13.82 GB" in (recorded / "estimate.md").read_text()
+    assert "03_bf16 at batch 64: 13.82 GB" in (recorded / ESTIMATE_TABLE).read_text()
 
 
 def test_report_writes_valid_charts(recorded):
     write_report(recorded)
-    assert_png(recorded / "tour.png")
-    assert_png(recorded / "estimate.png")
+    assert_png(recorded / TOUR_CHART)
+    assert_png(recorded / ESTIMATE_CHART)
     assert not list(recorded.glob("*.tmp"))
 
 
 def test_report_tour_table_shows_the_accuracy_interval(recorded):
     write_report(recorded)
-    text = (recorded / "tour.md").read_text()
+    text = (recorded / TOUR_TABLE).read_text()
     rows = table_rows(text)
     # 01: 340 of 360 right (94.4%); Wilson with z = 1.96, z^2/n = 0.010671:
     # centre (0.94444 + 0.005336) / 1.010671 = 0.939752, half width
@@ -257,13 +257,13 @@ def test_report_without_tour_json_or_estimate(recorded):
     (recorded / "estimate.json").unlink()
     (recorded / "06_on_device_init.json").write_text('{"script": "06_on_dev')  # cut short
     text = write_report(recorded)
-    rows = table_rows((recorded / "tour.md").read_text())
+    rows = table_rows((recorded / TOUR_TABLE).read_text())
     assert list(rows) == ["01_baseline", "02_mixed_precision", "05_sgd_cosine",
                           "06_on_device_init", "07_fsdp (2 processes, cpu)"]
     assert rows["06_on_device_init"][-1].startswith("failed: unreadable 06_on_device_init.json")
     assert "GPU estimate chart skipped: no estimate.json" in text
-    assert not (recorded / "estimate.png").exists()
-    assert_png(recorded / "tour.png")
+    assert not (recorded / ESTIMATE_CHART).exists()
+    assert_png(recorded / TOUR_CHART)
 
 
 def fake_estimate_step(results_dir):
@@ -277,7 +277,7 @@ def test_tour_shows_failed_steps_and_runs_the_rest(tmp_path, monkeypatch, capfd)
     results.mkdir()
     # a previous run's files: a record for a step that will now fail, and its table
     (results / "03_writes_nothing.json").write_text('{"script": "03_writes_nothing", "steps": 9}')
-    (results / "tour.md").write_text("stale table\n")
+    (results / TOUR_TABLE).write_text("stale table\n")
     monkeypatch.setattr(tour, "estimate_step", fake_estimate_step)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)  # the CPU's launch, on any machine
 
@@ -291,7 +291,7 @@ def test_tour_shows_failed_steps_and_runs_the_rest(tmp_path, monkeypatch, capfd)
          "estimate"], 1)]
     assert positions == sorted(positions)
     assert "RuntimeError: broken on purpose" in output.err  # stderr streamed through
-    rows = table_rows((results / "tour.md").read_text())
+    rows = table_rows((results / TOUR_TABLE).read_text())
     assert list(rows) == ["01_writes_record", "02_crashes", "03_writes_nothing",
                           "07_distributed (2 processes, cpu)"]
     assert rows["01_writes_record"][-1] == "ok"
@@ -299,10 +299,10 @@ def test_tour_shows_failed_steps_and_runs_the_rest(tmp_path, monkeypatch, capfd)
     assert rows["03_writes_nothing"][-1] == "failed: exit status 0 but no 03_writes_nothing.json"
     assert not (results / "03_writes_nothing.json").exists()  # the stale record is gone
     assert rows["07_distributed (2 processes, cpu)"][:2] == ["1.00", "0.50x"]
-    assert "Quick run (--max-steps 2)" in (results / "tour.md").read_text()
+    assert "Quick run (--max-steps 2)" in (results / TOUR_TABLE).read_text()
     # the table says how the sharded steps were started
-    assert "Sharded steps (07 on): 0 GPUs visible" in (results / "tour.md").read_text()
-    for name in ["tour.md", "tour.png", "estimate.md", "estimate.png"]:
+    assert "Sharded steps (07 on): 0 GPUs visible" in (results / TOUR_TABLE).read_text()
+    for name in [TOUR_TABLE, TOUR_CHART, ESTIMATE_TABLE, ESTIMATE_CHART]:
         assert (docs / name).read_bytes() == (results / name).read_bytes()
     assert [path.name for path in results.iterdir() if path.name.startswith(".")] == []
 
@@ -313,7 +313,7 @@ def test_a_text_tour_passes_its_preset_and_keeps_its_results_apart(tmp_path, mon
                        scripts_dir=FIXTURES / "fake_steps")
     assert status == 0
     results = tmp_path / "results" / "tiny-text"  # apart from the image tour's results/
-    table = (results / "tour.md").read_text()
+    table = (results / TOUR_TABLE).read_text()
     assert "Preset tiny-text" in table
     assert "skipped (the tour's GPU estimate predicts the image steps (article preset); for " \
            "text, python -m estimate --preset imdb)" in table
@@ -329,7 +329,7 @@ def test_a_hung_step_is_stopped_and_shown_as_failed(tmp_path):
     status = tour.main(["--results-dir", str(results), "--skip-estimate", "--step-timeout", "2"],
                        scripts_dir=scripts)
     assert status == 1 and time.perf_counter() - started < 30
-    row = table_rows((results / "tour.md").read_text())["01_hangs"]
+    row = table_rows((results / TOUR_TABLE).read_text())["01_hangs"]
     assert row[-1].startswith("failed: timed out after 2 s")
 
 
@@ -347,16 +347,16 @@ def test_tour_runs_two_real_steps(tmp_path):
     run = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=150)
     assert run.returncode == 0, run.stderr[-3000:]
     assert "[1/2] 01_baseline.py ..." in run.stdout and "[2/2] 03_bf16.py ok" in run.stdout
-    assert sorted(path.name for path in results.iterdir()) == [
-        "01_baseline.json", "03_bf16.json", "tour.json", "tour.md", "tour.png"]
-    table = (results / "tour.md").read_text()
+    assert sorted(path.name for path in results.iterdir()) == sorted([
+        "01_baseline.json", "03_bf16.json", "tour.json", TOUR_TABLE, TOUR_CHART])
+    table = (results / TOUR_TABLE).read_text()
     assert table in run.stdout  # the table is printed
     rows = table_rows(table)
     assert list(rows) == ["01_baseline", "03_bf16"]
     assert rows["01_baseline"][1] == "1.00x" and rows["03_bf16"][-1] == "ok"
     assert float(rows["03_bf16"][1].rstrip("x")) < 0.75  # bfloat16 halves most of the memory
     assert "GPU memory prediction: skipped (--skip-estimate)" in table
-    assert_png(results / "tour.png")
+    assert_png(results / TOUR_CHART)
 
 
 def test_error_excerpt_finds_the_childs_error_under_torchrun():
