@@ -1,4 +1,4 @@
-"""01 baseline: finetune a transformer classifier (images or text) in full float32.
+"""01 baseline: finetune a transformer (an image or text classifier, or a language model) in full float32.
 
 The reference run. Every later script is this one plus one memory technique, so
 `diff 01_baseline.py 02_mixed_precision.py` shows exactly what that technique changes.
@@ -33,7 +33,7 @@ def train_step(model, optimizer, inputs, labels, device):
 
 
 def train(args, device):
-    preset = preset_for(args)  # the preset, with --model's classifier if one is named
+    preset = preset_for(args)  # the preset, with --model's model in place of its own if named
     torch.manual_seed(args.seed)
 
     data = load_data(preset, args.batch_size, device, seed=args.seed)

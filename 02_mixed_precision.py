@@ -1,10 +1,9 @@
 """02 mixed precision: 01 plus float16 autocast and a gradient scaler.
 
-Inside `torch.autocast` matrix multiplications run in float16, so the activations kept for the
-backward pass take half the memory. Weights, gradients and Adam's state stay float32 (the
-"master weights"). float16 gradients can underflow to zero, so the loss is multiplied by a
-large factor before backward and the gradients divided by it before the step; a step whose
-gradients overflowed to inf is skipped and the factor halved.
+Inside `torch.autocast` matrix multiplications run in float16, so the activations kept for
+backward take half the memory; weights, gradients and Adam's state stay float32. The loss is
+scaled up before backward, so that float16 gradients do not underflow, and the gradients
+scaled back down before the step.
 
   python %(prog)s                                  # tiny preset: offline, about 30 s on a laptop CPU
   python %(prog)s --preset article                 # the study: ViT-L/16 on CIFAR-10 (GPU and network)
@@ -30,16 +29,16 @@ def train_step(model, optimizer, scaler, inputs, labels, device):  # mixed preci
     inputs, labels = to_device(inputs, device), labels.to(device)
     with torch.autocast(device_type=device.type, dtype=torch.float16):  # mixed precision
         loss = model(**inputs, labels=labels).loss  # its own loss: over classes, or next tokens
-    scaler.scale(loss).backward()  # mixed precision: scaled up, float16 gradients would underflow
-    scaler.unscale_(optimizer)  # mixed precision: true gradients from here on (clip here)
-    scaler.step(optimizer)  # mixed precision: skipped if a gradient is inf or NaN
-    scaler.update()  # mixed precision: lower the scale after a skip, raise it after many good steps
+    scaler.scale(loss).backward()  # scaled up: float16 gradients would underflow
+    scaler.unscale_(optimizer)  # true gradients from here on (clip here)
+    scaler.step(optimizer)  # skipped if a gradient is inf or NaN
+    scaler.update()  # lower the scale after a skip, raise it after many good steps
     optimizer.zero_grad(set_to_none=True)
     return loss.detach()
 
 
 def train(args, device):
-    preset = preset_for(args)  # the preset, with --model's classifier if one is named
+    preset = preset_for(args)  # the preset, with --model's model in place of its own if named
     torch.manual_seed(args.seed)
 
     data = load_data(preset, args.batch_size, device, seed=args.seed)

@@ -36,7 +36,7 @@ def train_step(model, optimizer, inputs, labels, device):
 
 
 def train(args, device):
-    preset = preset_for(args)  # the preset, with --model's classifier if one is named
+    preset = preset_for(args)  # the preset, with --model's model in place of its own if named
     torch.manual_seed(args.seed)
 
     data = load_data(preset, args.batch_size, device, seed=args.seed)

@@ -1,11 +1,9 @@
 """04 gradient accumulation: 03 with each batch run as micro-batches whose gradients add up.
 
-Activations are kept for one micro-batch at a time, so their memory shrinks with its size
-(a quarter of the batch by default, `--accum-steps N`), while the effective batch, the data order
+Activations are kept for one micro-batch at a time, so their memory shrinks with its size (a
+quarter of the batch by default, `--accum-steps N`), while the effective batch, the data order
 and the number of optimizer steps stay those of 03. Each micro-batch's mean loss is divided by
-the number of micro-batches, so the summed gradient is the gradient of the whole batch's mean
-loss. Every batch is whole (the loader drops an epoch's last partial batch), so every optimizer
-step sees a full set of equal micro-batches.
+their number, so the summed gradient is the gradient of the whole batch's mean loss.
 
   python %(prog)s                                  # tiny preset: offline, about 30 s on a laptop CPU
   python %(prog)s --preset article                 # the study: ViT-L/16 on CIFAR-10 (GPU and network)
@@ -46,7 +44,7 @@ def train_step(model, optimizer, inputs, labels, device, accum_steps):  # gradie
 
 
 def train(args, device):
-    preset = preset_for(args)  # the preset, with --model's classifier if one is named
+    preset = preset_for(args)  # the preset, with --model's model in place of its own if named
     torch.manual_seed(args.seed)
 
     data = load_data(preset, args.batch_size, device, seed=args.seed)

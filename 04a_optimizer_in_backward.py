@@ -1,21 +1,15 @@
 """04a optimizer in backward: 03 with each weight updated as soon as its gradient is complete.
 
-A branch of 03 beside step 04 (`diff 03_bf16.py 04a_optimizer_in_backward.py`). In 03 backward first computes
-the gradients of the whole model, then Adam steps. Here every parameter has its own Adam, and a
-hook (`register_post_accumulate_grad_hook`) steps it and frees its gradient the moment backward
-has finished that gradient: the gradients of the whole model never exist at once, only those
-backward is working on. The update is 03's (Adam treats every weight on its own).
-
-What it cannot do: gradient accumulation (04) needs every micro-batch's gradient summed before
-one step, and clipping by the global gradient norm needs every gradient at once; this script
-steps during each backward, so it offers neither.
+Every parameter has its own Adam, stepped by a hook (`register_post_accumulate_grad_hook`) the
+moment backward has finished its gradient, which is then freed: the gradients of the whole
+model never exist at once. The update is 03's; it cannot accumulate gradients over micro-batches
+(04) or clip them by their global norm.
 
   python %(prog)s                                  # tiny preset: offline, about 30 s on a laptop CPU
   python %(prog)s --preset article                 # the study: ViT-L/16 on CIFAR-10 (GPU and network)
   python %(prog)s --preset tiny-text               # text: a pretrained MiniLM on movie reviews
   python %(prog)s --estimate                       # predict peak GPU memory without a GPU
 """
-
 import torch
 
 # --estimate runs main() on fake tensors with stand-ins for these names (no data, no download):
@@ -41,7 +35,7 @@ def train_step(model, inputs, labels, device):  # optimizer in backward: no opti
 
 
 def train(args, device):
-    preset = preset_for(args)  # the preset, with --model's classifier if one is named
+    preset = preset_for(args)  # the preset, with --model's model in place of its own if named
     torch.manual_seed(args.seed)
 
     data = load_data(preset, args.batch_size, device, seed=args.seed)

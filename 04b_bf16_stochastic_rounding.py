@@ -1,13 +1,9 @@
 """04b bf16 stochastic rounding: 03 with Adam's step rounded into bfloat16 at random.
 
-A branch of 03 beside step 04 (`diff 03_bf16.py 04b_bf16_stochastic_rounding.py`). In 03 Adam
-adds each update to a bfloat16 weight, rounded to the nearest bfloat16 number: an update smaller
-than half the gap between neighbouring numbers (8 bits of mantissa: 0.4% of the weight) is lost
-every time. Here the step is computed in float32 and rounded up or down at random, to the upper
-neighbour with probability (x - lower) / (upper - lower): each rounding may still be off, but on
-average it loses nothing, so many small updates add up as they would in float32. Adam's two
-states are rounded the same way. Nothing more is kept (no float32 copy, no compensation buffer):
-the 8 bytes per parameter of 03; the float32 work runs a chunk of a tensor at a time.
+In 03 an update smaller than half the gap between neighbouring bfloat16 numbers is lost every
+time. Here the step is computed in float32, a chunk at a time, and rounded up or down at random,
+up with probability (x - lower) / (upper - lower): on average nothing is lost, so small updates
+add up as in float32, and nothing more is kept than 03's bfloat16 weights and states.
 
   python %(prog)s                                  # tiny preset: offline, about 30 s on a laptop CPU
   python %(prog)s --preset article                 # the study: ViT-L/16 on CIFAR-10 (GPU and network)
@@ -86,7 +82,7 @@ def train_step(model, optimizer, inputs, labels, device):
 
 
 def train(args, device):
-    preset = preset_for(args)  # the preset, with --model's classifier if one is named
+    preset = preset_for(args)  # the preset, with --model's model in place of its own if named
     torch.manual_seed(args.seed)
 
     data = load_data(preset, args.batch_size, device, seed=args.seed)

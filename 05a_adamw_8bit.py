@@ -1,14 +1,9 @@
 """05a 8-bit AdamW: 04 with Adam's two running averages stored in 8 bits instead of 16.
 
-A branch of 04 (`diff 04_grad_accum.py 05a_adamw_8bit.py`), beside step 05's plain SGD:
 bitsandbytes' AdamW8bit keeps each state as one byte per weight plus a float32 scale per block
-of 256 weights, so the optimizer state takes about 2 bytes per parameter where 04's bfloat16
-Adam takes 4 (and float32 Adam 8). Each step dequantizes a tensor's states, updates them in
-float32 and quantizes them back, block by block. Tensors under 4,096 elements (biases, norms)
-keep float32 states. Weight decay 0: the same update as 04's Adam; only its memory differs.
-On a GPU its step is slower than its memory suggests: bitsandbytes 0.50 waits for the GPU after
-each parameter's update (`torch.cuda.synchronize`), so the steps of many small tensors do not
-overlap.
+of 256 weights: about 2 bytes per parameter where 04's bfloat16 Adam takes 4. Each step
+dequantizes a tensor's states, updates them in float32 and quantizes them back. Weight decay 0:
+the same update as 04's Adam; only its memory differs.
 
   python %(prog)s                                  # tiny preset: offline, about 30 s on a laptop CPU
   python %(prog)s --preset article                 # the study: ViT-L/16 on CIFAR-10 (GPU and network)
@@ -55,7 +50,7 @@ def train_step(model, optimizer, inputs, labels, device, accum_steps):  # gradie
 
 
 def train(args, device):
-    preset = preset_for(args)  # the preset, with --model's classifier if one is named
+    preset = preset_for(args)  # the preset, with --model's model in place of its own if named
     torch.manual_seed(args.seed)
 
     data = load_data(preset, args.batch_size, device, seed=args.seed)

@@ -1,14 +1,9 @@
 """05b Adafactor: 04 with Adafactor, whose state grows with a weight's rows plus columns.
 
-A branch of 04 (`diff 04_grad_accum.py 05b_adafactor.py`), beside step 05's plain SGD and 05a's
-8-bit AdamW. Adam keeps two averages the size of every weight; `torch.optim.Adafactor` keeps
-no first moment and factors the second: for a matrix of r x c weights, one average per row and
-one per column (r + c numbers, not r x c), from which it rebuilds each weight's scale. Vectors
-(biases, norms) keep a full average. Its learning rate is relative: a step moves a weight by
-about lr times the weights' root mean square (default 0.01), so the preset's Adam rate does not
-apply. On a GPU its step is slow for its size: torch.optim.Adafactor never picks its foreach
-implementation by itself (unlike Adam), and its one-tensor-at-a-time path reads several numbers
-back to the host per parameter (`.item()`), each a wait for the GPU.
+`torch.optim.Adafactor` keeps no first moment and factors the second: for a matrix of r x c
+weights, one average per row and one per column (r + c numbers, not r x c). Its learning rate is
+relative: a step moves a weight by about lr times the weights' root mean square (default 0.01),
+so the preset's Adam rate does not apply.
 
   python %(prog)s                                  # tiny preset: offline, about 30 s on a laptop CPU
   python %(prog)s --preset article                 # the study: ViT-L/16 on CIFAR-10 (GPU and network)
@@ -49,7 +44,7 @@ def train_step(model, optimizer, inputs, labels, device, accum_steps):  # gradie
 
 
 def train(args, device):
-    preset = preset_for(args)  # the preset, with --model's classifier if one is named
+    preset = preset_for(args)  # the preset, with --model's model in place of its own if named
     torch.manual_seed(args.seed)
 
     data = load_data(preset, args.batch_size, device, seed=args.seed)

@@ -1,12 +1,9 @@
 """05c activation checkpointing on one device: 04 with every transformer block recomputed in backward.
 
-Backward needs the intermediate results of forward (the activations), and normally every block
-keeps them from its forward until its backward. A checkpointed block keeps only its input: in
-backward it runs its forward once more to recreate them, one block at a time. The activations
-held at once shrink from all blocks' to one block's plus each block's input, for the price of
-a second forward through every block (up to a third more compute). A branch of 04: the same
-technique as 09, on one device and with Adam, for a model whose activations, not its weights,
-do not fit; `diff 04_grad_accum.py 05c_activation_checkpointing.py` shows all of it.
+A checkpointed block keeps only its input for backward, where it runs its forward once more to
+recreate its activations, one block at a time: those held at once shrink from all blocks' to one
+block's plus each block's input, for a second forward through every block. 09's technique, on
+one device and with Adam, for a model whose activations, not its weights, do not fit.
 
   python %(prog)s                                  # tiny preset: offline, about 30 s on a laptop CPU
   python %(prog)s --preset article                 # the study: ViT-L/16 on CIFAR-10 (GPU and network)
@@ -25,12 +22,13 @@ from common.memory import MemoryMeter, measure_creation
 from common.model import create_model, transformer_blocks
 from common.presets import preset_for
 from common.progress import Progress
+from common.quirks import BlockWrapper
 from common.summary import report
 
 DTYPE = torch.bfloat16  # bf16-true: weights, gradients, optimizer state and activations
 
 
-class CheckpointedBlock(torch.nn.Module):  # checkpointing on one device
+class CheckpointedBlock(BlockWrapper):  # checkpointing on one device
     """Runs `block` keeping only its input for backward, where the block runs forward again."""
 
     def __init__(self, block):
@@ -40,12 +38,6 @@ class CheckpointedBlock(torch.nn.Module):  # checkpointing on one device
     def forward(self, hidden_states, *args, **kwargs):
         # non-reentrant: the variant PyTorch recommends; it passes keyword arguments through.
         return checkpoint(self.block, hidden_states, *args, use_reentrant=False, **kwargs)
-
-    def __getattr__(self, name):  # checkpointing on one device: what the model reads of its blocks
-        try:  # (ModernBERT each block's attention_type) is read through the wrapper
-            return super().__getattr__(name)
-        except AttributeError:
-            return getattr(self.block, name)
 
 
 def train_step(model, optimizer, inputs, labels, device, accum_steps):  # gradient accumulation
@@ -66,7 +58,7 @@ def train_step(model, optimizer, inputs, labels, device, accum_steps):  # gradie
 
 
 def train(args, device):
-    preset = preset_for(args)  # the preset, with --model's classifier if one is named
+    preset = preset_for(args)  # the preset, with --model's model in place of its own if named
     torch.manual_seed(args.seed)
 
     data = load_data(preset, args.batch_size, device, seed=args.seed)

@@ -1,13 +1,9 @@
 """05d selective activation checkpointing: 05c keeping the outputs of the matrix products and attention.
 
-05c recomputes every operator of a block in backward, the matrix products too: nearly all of
-the recomputation's FLOPs are theirs. Selective checkpointing asks, operator by operator, what to
-keep: here the outputs of the matrix products, the convolutions and attention (torchtitan's
-op-level policy) are saved in forward and reused, and only the cheap operators between them
-(normalisation, activation functions, dropout, additions) run again. Memory lands between 04's
-and 05c's, and the recomputation costs memory-bound element-wise kernels instead of a second
-forward's FLOPs. A branch of 05c:
-`diff 05c_activation_checkpointing.py 05d_selective_checkpointing.py` shows all of it.
+05c recomputes every operator of a block in backward, the matrix products too. Here the outputs
+of the matrix products, the convolutions and attention are kept from forward (torchtitan's
+op-level policy), and only the cheap operators between them run again: memory between 04's and
+05c's, and element-wise kernels recomputed instead of a second forward's FLOPs.
 
   python %(prog)s                                  # tiny preset: offline, about 30 s on a laptop CPU
   python %(prog)s --preset article                 # the study: ViT-L/16 on CIFAR-10 (GPU and network)
@@ -28,16 +24,16 @@ from common.memory import MemoryMeter, measure_creation
 from common.model import create_model, transformer_blocks
 from common.presets import preset_for
 from common.progress import Progress
+from common.quirks import BlockWrapper
 from common.summary import report
 
 DTYPE = torch.bfloat16  # bf16-true: weights, gradients, optimizer state and activations
 ATEN = torch.ops.aten  # selective checkpointing: the operators whose outputs forward keeps
-SAVED = [ATEN.mm.default, ATEN.addmm.default, ATEN.bmm.default,  # selective checkpointing
-         ATEN.baddbmm.default, ATEN.convolution.default,  # selective checkpointing
-         ATEN._scaled_dot_product_flash_attention_for_cpu.default,  # selective checkpointing
-         ATEN._scaled_dot_product_flash_attention.default,  # selective checkpointing
-         ATEN._scaled_dot_product_efficient_attention.default,  # selective checkpointing
-         ATEN._scaled_dot_product_cudnn_attention.default]  # selective checkpointing
+SAVED = [ATEN.mm.default, ATEN.addmm.default, ATEN.bmm.default, ATEN.baddbmm.default,
+         ATEN.convolution.default, ATEN._scaled_dot_product_flash_attention_for_cpu.default,
+         ATEN._scaled_dot_product_flash_attention.default,
+         ATEN._scaled_dot_product_efficient_attention.default,
+         ATEN._scaled_dot_product_cudnn_attention.default]
 
 
 def keep_or_recompute(context, op, *args, **kwargs):  # selective checkpointing: per operator
@@ -50,11 +46,11 @@ def keep_or_recompute(context, op, *args, **kwargs):  # selective checkpointing:
     return CheckpointPolicy.PREFER_RECOMPUTE
 
 
-def keep_saved():  # selective checkpointing: a fresh pair of contexts for each checkpointed call
+def selective_contexts():  # selective checkpointing: a fresh pair for each checkpointed call
     return create_selective_checkpoint_contexts(keep_or_recompute)
 
 
-class CheckpointedBlock(torch.nn.Module):  # checkpointing on one device
+class CheckpointedBlock(BlockWrapper):  # checkpointing on one device
     """Runs `block` keeping only its input for backward, where the block runs forward again."""
 
     def __init__(self, block):
@@ -64,13 +60,7 @@ class CheckpointedBlock(torch.nn.Module):  # checkpointing on one device
     def forward(self, hidden_states, *args, **kwargs):
         # non-reentrant: the variant PyTorch recommends; it passes keyword arguments through.
         return checkpoint(self.block, hidden_states, *args, use_reentrant=False,  # selective checkpointing
-                          context_fn=keep_saved, **kwargs)  # selective checkpointing
-
-    def __getattr__(self, name):  # checkpointing on one device: what the model reads of its blocks
-        try:  # (ModernBERT each block's attention_type) is read through the wrapper
-            return super().__getattr__(name)
-        except AttributeError:
-            return getattr(self.block, name)
+                          context_fn=selective_contexts, **kwargs)
 
 
 def train_step(model, optimizer, inputs, labels, device, accum_steps):  # gradient accumulation
@@ -91,7 +81,7 @@ def train_step(model, optimizer, inputs, labels, device, accum_steps):  # gradie
 
 
 def train(args, device):
-    preset = preset_for(args)  # the preset, with --model's classifier if one is named
+    preset = preset_for(args)  # the preset, with --model's model in place of its own if named
     torch.manual_seed(args.seed)
 
     data = load_data(preset, args.batch_size, device, seed=args.seed)

@@ -1,14 +1,9 @@
 """05f Adam on the host: 04 with Adam's state, and the step itself, in host memory.
 
-Adam keeps two numbers per weight, as many bytes as the weights and gradients together (4 per
-parameter in bfloat16). Here they live in host memory, beside a host copy of the weights: after
-backward each gradient is copied out and freed on the device, Adam updates the host copy there,
-and the updated weights are copied back. The device holds the weights, the gradients until the
-step, and the activations: about 05's memory, with Adam's accuracy, which 05 gives up. The cost
-is PCIe traffic (the gradients out, the weights back: 4 bytes per parameter per step) and the
-step's time on the CPU. A branch of 04: `diff 04_grad_accum.py 05f_adam_on_host.py`. On a CPU
-the host is the device: there it holds more than 04 (the weights' host copy). torchao's
-CPUOffloadOptimizer does the same for a GPU, overlapping the copies with backward.
+After backward each gradient is copied to host memory and freed on the device; Adam updates a
+host copy of the weights there, and the updated weights are copied back. The device holds about
+05's memory with Adam's accuracy, for PCIe traffic (4 bytes per parameter per step) and a step
+on the CPU. On a CPU the host is the device: there it holds more than 04.
 
   python %(prog)s                                  # tiny preset: offline, about 30 s on a laptop CPU
   python %(prog)s --preset article                 # the study: ViT-L/16 on CIFAR-10 (GPU and network)
@@ -22,14 +17,13 @@ import torch
 from common.cli import parse_args
 from common.data import load_data, split_batch, to_device
 from common.evaluate import evaluate
-from common.memory import MemoryMeter, measure_creation
+from common.memory import HOST, MemoryMeter, measure_creation
 from common.model import create_model
 from common.presets import preset_for
 from common.progress import Progress
 from common.summary import report
 
 DTYPE = torch.bfloat16  # bf16-true: weights, gradients, optimizer state and activations
-HOST = torch.device("cpu")  # Adam on the host: where its state lives (the estimate moves it)
 
 
 def train_step(model, optimizer, inputs, labels, device, accum_steps):  # gradient accumulation
@@ -45,19 +39,19 @@ def train_step(model, optimizer, inputs, labels, device, accum_steps):  # gradie
         loss.backward()
         batch_loss += loss.detach().float()  # the record's loss, summed in float32
     host_weights = optimizer.param_groups[0]["params"]  # Adam on the host
-    for weight, host_weight in zip(model.parameters(), host_weights):  # Adam on the host
-        if weight.grad is not None:  # Adam on the host: the gradient goes out (none: no step)
+    for weight, host_weight in zip(model.parameters(), host_weights):
+        if weight.grad is not None:  # the gradient goes out (none: no step)
             host_weight.grad = weight.grad.to(HOST)
-        weight.grad = None  # Adam on the host: and is freed on the device
+        weight.grad = None  # and is freed on the device
     optimizer.step()
     for weight, host_weight in zip(model.parameters(), host_weights):  # Adam on the host
-        weight.detach().copy_(host_weight)  # Adam on the host: the updated weight comes back
+        weight.detach().copy_(host_weight)  # the updated weight comes back
     optimizer.zero_grad(set_to_none=True)
     return batch_loss  # gradient accumulation: the whole batch's mean loss
 
 
 def train(args, device):
-    preset = preset_for(args)  # the preset, with --model's classifier if one is named
+    preset = preset_for(args)  # the preset, with --model's model in place of its own if named
     torch.manual_seed(args.seed)
 
     data = load_data(preset, args.batch_size, device, seed=args.seed)
@@ -71,7 +65,7 @@ def train(args, device):
         model.compile()  # in place: the same module, parameters and state_dict names
     # Adam on the host: a host copy of each weight, which Adam updates, its state beside it
     host_weights = [weight.detach().to(HOST, copy=True) for weight in model.parameters()]
-    optimizer = torch.optim.Adam(host_weights, lr=args.lr or preset.lr)  # Adam on the host
+    optimizer = torch.optim.Adam(host_weights, lr=args.lr or preset.lr)
 
     meter = MemoryMeter(device, model, optimizer)  # the peak of the first steps, by what it holds
     progress = Progress(total_steps)  # progress lines, the losses and the training clock

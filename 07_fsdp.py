@@ -1,15 +1,9 @@
 """07 FSDP: 06 with the model sharded across processes, one per device (FSDP2).
 
-Every process keeps only its 1/N share of each parameter, gradient and optimizer state. Just
-before a transformer block runs forward or backward, its full weights are gathered from all
-processes and freed again right after; gradients are averaged across processes and each process
-keeps (and updates) only its share. Each process trains on its own slice of every batch: with N
-processes the micro-batch is batch/(N x accum-steps), so the effective batch, the data and the
-number of optimizer steps stay those of 06. Sharding saves memory when the parameters, gradients
-and optimizer state are a large part of it, and only with several devices. The model is created
-on the meta device (shapes, no memory) and sharded before any process allocates it: each then
-fills its own shards from a whole copy in the host memory of process 0, so no device ever holds
-the whole model, not even while it is created.
+Every process keeps 1/N of each parameter, gradient and optimizer state; a block's full weights
+are gathered just before it runs forward or backward and freed right after. Each process trains
+on its own slice of every batch, so the effective batch and the optimizer steps stay 06's. The
+model is created on the meta device and each process fills only its own shards.
 
   torchrun --nproc_per_node=2 %(prog)s             # tiny preset, 2 processes (CPU: gloo, GPU: nccl)
   torchrun --nproc_per_node=2 %(prog)s --preset tiny-text # text
@@ -58,7 +52,7 @@ def train_step(model, optimizer, inputs, labels, device, accum_steps):  # gradie
 
 
 def train(args, device):
-    preset = preset_for(args)  # the preset, with --model's classifier if one is named
+    preset = preset_for(args)  # the preset, with --model's model in place of its own if named
     torch.manual_seed(args.seed)
 
     rank, world_size = dist.get_rank(), dist.get_world_size()  # FSDP: each process takes its slice
@@ -74,14 +68,14 @@ def train(args, device):
         # FSDP: shard each block (it gathers its weights in turn), then the rest as one more unit
         shard_options = dict(mesh=init_device_mesh(device.type, (world_size,)))  # all processes
         for block in transformer_blocks(model):
-            if args.compile:  # FSDP: compile each block before sharding it (torchtitan's order):
+            if args.compile:  # compile each block before sharding it (torchtitan's order):
                 block.compile()  # FSDP's gathers stay outside compiled code; alike blocks share it
             # true: ZeRO-3, gathered weights freed after forward; false: kept until backward
             fully_shard(block, **shard_options, reshard_after_forward=args.reshard_after_forward)
         fully_shard(model, **shard_options)  # embeddings, final norm and head
-        fill_shards(model, preset, device)  # FSDP: each process allocates and fills its shards
+        fill_shards(model, preset, device)  # each process allocates and fills its shards
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr or preset.sgd_lr)  # plain SGD
-    scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=total_steps)  # plain SGD
+    scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=total_steps)
 
     meter = MemoryMeter(device, model, optimizer)  # the peak of the first steps, by what it holds
     progress = Progress(total_steps)  # progress lines, the losses and the training clock
@@ -108,11 +102,11 @@ def main(argv=None):
         from estimate import estimate
         return estimate(__file__, argv)
     _, world_size, device = init_distributed(args.device)  # FSDP: one process per device
-    try:  # FSDP: release the group's connections (NCCL communicators) also on error
+    try:  # release the group's connections (NCCL communicators) also on error
         check_batch_split(args, world_size)  # equal micro-batches on every process
         return train(args, device)
     finally:
-        end_distributed()  # FSDP: leave the group and free it, before Python exits
+        end_distributed()  # leave the group and free it, before Python exits
 
 
 if __name__ == "__main__":

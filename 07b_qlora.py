@@ -1,14 +1,9 @@
 """07b QLoRA: 07a with the frozen weights of the adapted layers stored in 4 bits (NF4).
 
-LoRA leaves the pretrained weights frozen, so they need not be stored as bfloat16: QLoRA keeps
-each adapted layer's weight in bitsandbytes' 4-bit NormalFloat (NF4: 16 levels placed for
-normally distributed weights, a scale per block of 64 weights, the scales themselves quantized
-to 8 bits), about 0.52 bytes per weight instead of 2. Each forward and backward turns the
-4-bit weight back into bfloat16 for its matrix product, a layer at a time; the adapters, the
-head and every other weight (embeddings, norms) stay in bfloat16 and train as in 07a. The model
-is created in bfloat16 and its adapted layers quantized one by one, so creation peaks at 07a's.
-A branch of 07a: `diff 07a_lora.py 07b_qlora.py`. It needs bitsandbytes (pinned,
-`bitsandbytes==0.50.2`, on CPU and CUDA).
+Each adapted layer's frozen weight is kept in bitsandbytes' 4-bit NormalFloat (a scale per block
+of 64 weights): about 0.52 bytes per weight instead of bfloat16's 2, turned back into bfloat16
+for each product, a layer at a time. The adapters, the head and every other weight train as in
+07a. It needs bitsandbytes (requirements.txt pins it).
 
   python %(prog)s                                  # tiny preset: offline, about 30 s on a laptop CPU
   python %(prog)s --preset article                 # the study: ViT-L/16 on CIFAR-10 (GPU and network)
@@ -23,7 +18,7 @@ from transformers.pytorch_utils import Conv1D  # LoRA: GPT-2's linear layers, we
 
 try:  # QLoRA: 4-bit layers from bitsandbytes (requirements.txt pins it)
     from bitsandbytes.nn import Linear4bit, Params4bit
-except ImportError as error:  # QLoRA
+except ImportError as error:
     raise SystemExit(f"error: 07b needs bitsandbytes' Linear4bit ({error}). Install it with "
                      "pip install bitsandbytes==0.50.2 (as requirements.txt pins), or use 07a.")
 
@@ -36,6 +31,7 @@ from common.memory import MemoryMeter, measure_creation
 from common.model import classification_head, create_model, transformer_blocks
 from common.presets import preset_for
 from common.progress import Progress
+from common.quirks import keep_training_layout
 from common.summary import report
 
 DTYPE = torch.bfloat16  # bf16-true: weights, gradients, optimizer state and activations
@@ -66,28 +62,33 @@ def in_four_bits(layer):  # QLoRA
     four_bit.weight = Params4bit(weight.contiguous(), requires_grad=False, quant_type="nf4",
                                  blocksize=64, compress_statistics=True, module=four_bit)
     four_bit.bias = layer.bias  # frozen, in bfloat16
-    # on CPUs with AVX512-BF16, bitsandbytes repacks the weight for inference at the first
-    # evaluation, for good: a layout its training path cannot read (and small layers cannot take)
-    four_bit.support_avx512bf16_for_cpu = False
+    keep_training_layout(four_bit)  # on CPUs with AVX512-BF16 too (common/quirks.py)
     return four_bit.to(weight.device)  # quantized here; the bfloat16 weight is freed with `layer`
 
 
 def add_adapters(model, rank, alpha, targets=None):  # LoRA
     """Freeze `model`, put an adapter on each linear layer of its blocks (those named in
-    `targets`, if given) and train the adapters and the classification head; returns the names."""
+    `targets`, if given) and train the adapters and a classifier's new head; returns the names."""
     model.requires_grad_(False)
     adapted = []
     for block in transformer_blocks(model):
         for name, module in list(block.named_modules()):
             parent, _, attribute = name.rpartition(".")
             if isinstance(module, (torch.nn.Linear, Conv1D)) and attribute in (targets or [attribute]):
+                width = min(module.weight.shape)  # B A's rank is at most the layer's narrower side
+                if rank > width:
+                    shape = " x ".join(map(str, module.weight.shape))
+                    raise SystemExit(f"error: --lora-rank {rank} is larger than the layer {name!r} (a "
+                                     f"{shape} weight): its update cannot have a rank above {width}, "
+                                     "and adapters that large hold more weights than the layer. Use "
+                                     f"a --lora-rank well below {width} (8 by default)")
                 setattr(block.get_submodule(parent), attribute, LoRALinear(module, rank, alpha))
                 adapted.append(attribute)
     if not adapted:
         raise SystemExit(f"error: no linear layer in the model's blocks is named {' or '.join(targets)}"
                          if targets else "error: the model's blocks have no linear layer for LoRA to "
                          "adapt (a convolutional network's have none): train it with 06_on_device_init.py")
-    classification_head(model).requires_grad_(True)  # LoRA: the new head is trained in full
+    classification_head(model).requires_grad_(True)  # a new head (a classifier's) trains in full
     return sorted(set(adapted))
 
 
@@ -109,7 +110,7 @@ def train_step(model, optimizer, inputs, labels, device, accum_steps):  # gradie
 
 
 def train(args, device):
-    preset = preset_for(args)  # the preset, with --model's classifier if one is named
+    preset = preset_for(args)  # the preset, with --model's model in place of its own if named
     torch.manual_seed(args.seed)
 
     data = load_data(preset, args.batch_size, device, seed=args.seed)
@@ -122,14 +123,14 @@ def train(args, device):
             model = create_model(preset, dtype=DTYPE)  # on-device init, bf16-true: never float32
             add_adapters(model, args.lora_rank, args.lora_alpha, args.lora_targets)  # LoRA
     for adapter in [module for module in model.modules() if isinstance(module, LoRALinear)]:  # QLoRA
-        adapter.base = in_four_bits(adapter.base)  # QLoRA: one layer at a time
-    if preset.model is None:  # LoRA: a model drawn at random has nothing worth keeping frozen
+        adapter.base = in_four_bits(adapter.base)  # one layer at a time
+    if preset.model is None:  # a model drawn at random has nothing worth keeping frozen
         print("note: this model is trained from scratch, so LoRA's frozen weights are random: the "
               "run shows LoRA's memory, not its accuracy (use --preset tiny-text)", file=sys.stderr)
     if args.compile:  # fused kernels, generated by the first call (seconds to minutes), then reused
         model.compile()  # in place: the same module, parameters and state_dict names
     trained = [parameter for parameter in model.parameters() if parameter.requires_grad]  # LoRA
-    optimizer = torch.optim.Adam(trained, lr=args.lr or preset.qlora_lr)  # QLoRA, LoRA: a lower rate
+    optimizer = torch.optim.Adam(trained, lr=args.lr or preset.qlora_lr)  # QLoRA: a lower rate
 
     meter = MemoryMeter(device, model, optimizer)  # the peak of the first steps, by what it holds
     progress = Progress(total_steps)  # progress lines, the losses and the training clock

@@ -1,18 +1,15 @@
 """08 CPU offload: 07 with parameters, gradients and optimizer state kept in CPU memory.
 
-Between uses, every process's shards of the parameters, gradients and optimizer state live in
-CPU memory (pinned, for fast copies, when training on CUDA). FSDP copies a block's shards to the
-device just before gathering its weights, sends its gradient shards back after backward, and the
-optimizer step runs on the CPU. The device holds little more than the activations and one or two
-blocks' weights at a time; the price is a copy over PCIe for every block in every pass.
-
-On a machine without a GPU the "device" is the CPU already: offloading moves CPU tensors to
-the CPU, so the peak measured there does not fall below 07's. The saving shows on a GPU.
+Between uses every process's shards live in CPU memory (pinned on CUDA): FSDP copies a block's
+shards to the device just before gathering its weights, sends its gradient shards back after
+backward, and the optimizer step runs on the CPU. The price is a copy over PCIe for every block
+in every pass; on a machine without a GPU the device is the CPU already, and it saves nothing.
 
   torchrun --nproc_per_node=2 %(prog)s             # tiny preset, 2 processes (CPU: gloo, GPU: nccl)
   torchrun --nproc_per_node=2 %(prog)s --preset tiny-text # text
   python %(prog)s                                  # the same as one process
   torchrun --nproc_per_node=4 %(prog)s --preset article # the study's model on 4 GPUs
+  torchrun --nproc_per_node=2 %(prog)s --reshard-after-forward false # ZeRO-2's memory
   python %(prog)s --estimate                       # predict peak GPU memory without a GPU
 """
 import torch
@@ -55,7 +52,7 @@ def train_step(model, optimizer, inputs, labels, device, accum_steps):  # gradie
 
 
 def train(args, device):
-    preset = preset_for(args)  # the preset, with --model's classifier if one is named
+    preset = preset_for(args)  # the preset, with --model's model in place of its own if named
     torch.manual_seed(args.seed)
 
     rank, world_size = dist.get_rank(), dist.get_world_size()  # FSDP: each process takes its slice
@@ -73,14 +70,14 @@ def train(args, device):
         # offload: shards live in CPU memory between uses (pinned when training on CUDA)
         shard_options["offload_policy"] = CPUOffloadPolicy(pin_memory=device.type == "cuda")
         for block in transformer_blocks(model):
-            if args.compile:  # FSDP: compile each block before sharding it (torchtitan's order):
+            if args.compile:  # compile each block before sharding it (torchtitan's order):
                 block.compile()  # FSDP's gathers stay outside compiled code; alike blocks share it
             # true: ZeRO-3, gathered weights freed after forward; false: kept until backward
             fully_shard(block, **shard_options, reshard_after_forward=args.reshard_after_forward)
         fully_shard(model, **shard_options)  # embeddings, final norm and head
-        fill_shards(model, preset, device)  # FSDP: each process allocates and fills its shards
+        fill_shards(model, preset, device)  # each process allocates and fills its shards
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr or preset.sgd_lr)  # plain SGD
-    scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=total_steps)  # plain SGD
+    scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=total_steps)
 
     meter = MemoryMeter(device, model, optimizer)  # the peak of the first steps, by what it holds
     progress = Progress(total_steps)  # progress lines, the losses and the training clock
@@ -107,11 +104,11 @@ def main(argv=None):
         from estimate import estimate
         return estimate(__file__, argv)
     _, world_size, device = init_distributed(args.device)  # FSDP: one process per device
-    try:  # FSDP: release the group's connections (NCCL communicators) also on error
+    try:  # release the group's connections (NCCL communicators) also on error
         check_batch_split(args, world_size)  # equal micro-batches on every process
         return train(args, device)
     finally:
-        end_distributed()  # FSDP: leave the group and free it, before Python exits
+        end_distributed()  # leave the group and free it, before Python exits
 
 
 if __name__ == "__main__":

@@ -1,16 +1,15 @@
 """09 activation checkpointing: 08 with every transformer block recomputed during backward.
 
-Backward needs the intermediate results of forward (the activations), and normally every block
-keeps them from its forward until its backward. A checkpointed block keeps only its input: in
-backward it runs its forward once more to recreate them, one block at a time. The activations
-held at once shrink from all blocks' to one block's plus each block's input, for the price of
-a second forward pass through every block (up to a third more compute).
+A checkpointed block keeps only its input for backward, where it runs its forward once more to
+recreate its activations: those held at once shrink from all blocks' to one block's plus each
+block's input, for a second forward through every block (up to a third more compute).
 
-  torchrun --nproc_per_node=2 %(prog)s             # tiny preset, 2 processes
+  torchrun --nproc_per_node=2 %(prog)s             # tiny preset, 2 processes (CPU: gloo, GPU: nccl)
   torchrun --nproc_per_node=2 %(prog)s --preset tiny-text # text
   python %(prog)s                                  # the same as one process
-  torchrun --nproc_per_node=4 %(prog)s --preset article # 4 GPUs
-  python %(prog)s --estimate                       # predict peak GPU memory
+  torchrun --nproc_per_node=4 %(prog)s --preset article # the study's model on 4 GPUs
+  torchrun --nproc_per_node=2 %(prog)s --reshard-after-forward false # ZeRO-2's memory
+  python %(prog)s --estimate                       # predict peak GPU memory without a GPU
 """
 import torch
 import torch.distributed as dist
@@ -28,12 +27,13 @@ from common.memory import MemoryMeter, measure_creation
 from common.model import create_model, fill_shards, transformer_blocks
 from common.presets import preset_for
 from common.progress import Progress
+from common.quirks import BlockWrapper
 from common.summary import report
 
 DTYPE = torch.bfloat16  # bf16-true: weights, gradients, optimizer state and activations
 
 
-class CheckpointedBlock(torch.nn.Module):  # checkpointing
+class CheckpointedBlock(BlockWrapper):  # checkpointing
     """Runs `block` keeping only its input for backward, where the block runs forward again."""
 
     def __init__(self, block):
@@ -44,12 +44,6 @@ class CheckpointedBlock(torch.nn.Module):  # checkpointing
         # non-reentrant: the variant PyTorch recommends; it passes keyword arguments through.
         # FSDP shards this wrapper, so its backward hook gathers the weights before the rerun.
         return checkpoint(self.block, hidden_states, *args, use_reentrant=False, **kwargs)
-
-    def __getattr__(self, name):  # checkpointing: what the model reads of its blocks
-        try:  # (ModernBERT each block's attention_type) is read through the wrapper
-            return super().__getattr__(name)
-        except AttributeError:
-            return getattr(self.block, name)
 
 
 def train_step(model, optimizer, inputs, labels, device, accum_steps):  # gradient accumulation
@@ -72,7 +66,7 @@ def train_step(model, optimizer, inputs, labels, device, accum_steps):  # gradie
 
 
 def train(args, device):
-    preset = preset_for(args)  # the preset, with --model's classifier if one is named
+    preset = preset_for(args)  # the preset, with --model's model in place of its own if named
     torch.manual_seed(args.seed)
 
     rank, world_size = dist.get_rank(), dist.get_world_size()  # FSDP: each process takes its slice
@@ -93,14 +87,14 @@ def train(args, device):
         # offload: shards live in CPU memory between uses (pinned when training on CUDA)
         shard_options["offload_policy"] = CPUOffloadPolicy(pin_memory=device.type == "cuda")
         for block in blocks:  # checkpointing: the wrappers, sharded as 07 shards the blocks
-            if args.compile:  # FSDP: compile each block before sharding it (torchtitan's order):
+            if args.compile:  # compile each block before sharding it (torchtitan's order):
                 block.compile()  # FSDP's gathers stay outside compiled code; alike blocks share it
             # true: ZeRO-3, gathered weights freed after forward; false: kept until backward
             fully_shard(block, **shard_options, reshard_after_forward=args.reshard_after_forward)
         fully_shard(model, **shard_options)  # embeddings, final norm and head
-        fill_shards(model, preset, device)  # FSDP: each process allocates and fills its shards
+        fill_shards(model, preset, device)  # each process allocates and fills its shards
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr or preset.sgd_lr)  # plain SGD
-    scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=total_steps)  # plain SGD
+    scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=total_steps)
 
     meter = MemoryMeter(device, model, optimizer)  # the peak of the first steps, by what it holds
     progress = Progress(total_steps)  # progress lines, the losses and the training clock
@@ -127,11 +121,11 @@ def main(argv=None):
         from estimate import estimate
         return estimate(__file__, argv)
     _, world_size, device = init_distributed(args.device)  # FSDP: one process per device
-    try:  # FSDP: release the group's connections (NCCL communicators) also on error
+    try:  # release the group's connections (NCCL communicators) also on error
         check_batch_split(args, world_size)  # equal micro-batches on every process
         return train(args, device)
     finally:
-        end_distributed()  # FSDP: leave the group and free it, before Python exits
+        end_distributed()  # leave the group and free it, before Python exits
 
 
 if __name__ == "__main__":

@@ -24,6 +24,10 @@ from torch.distributed.fsdp import FSDPModule
 
 from common.gpu_support import check_bfloat16
 
+# host memory, where a script keeps what it offloads (05e, 05f); --estimate puts it apart from
+# the GPU it emulates (estimate/contract.py)
+HOST = torch.device("cpu")
+
 TRACKED_STEPS = 2  # optimizer steps taken under the tracker
 MAX_TRACKED_STEPS = 10  # steps tracked at most, while a gradient scaler skips optimizer steps
 

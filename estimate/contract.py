@@ -38,12 +38,20 @@ REQUIRED_WHEN_DISTRIBUTED = {
                     "whole parameter, as the broadcast does); no values are copied"),
 }
 
+# required of scripts that keep something in host memory (05e, 05f)
+REQUIRED_WHEN_OFFLOADING = {
+    "HOST": ("common.memory", "the emulated GPU's host, apart from the GPU (the CPU when no GPU "
+             "is emulated)"),
+}
+
 
 def required_names(module):
     """The contract for this loaded script: {name: (home module, stand-in)}."""
     required = dict(REQUIRED)
     if getattr(module, "dist", None) is not None or hasattr(module, "init_distributed"):
         required.update(REQUIRED_WHEN_DISTRIBUTED)
+    if hasattr(module, "HOST"):
+        required.update(REQUIRED_WHEN_OFFLOADING)
     return required
 
 

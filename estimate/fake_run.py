@@ -260,7 +260,7 @@ def stand_ins(run, world_size):
             "Progress": SilentProgress, "MemoryMeter": FakeRunMeter,
             "measure_creation": measure_creation, "report": report,
             "init_distributed": init_distributed, "init_device_mesh": init_device_mesh,
-            "fill_shards": fill_shards}
+            "fill_shards": fill_shards, "HOST": host}
 
 
 @contextmanager
@@ -303,8 +303,6 @@ def run_on_fake_tensors(script_path, argv, world_size=1, gpu=gpu_choices.DEFAULT
     replacements = stand_ins(run, world_size)
     for name in required_names(module):
         setattr(module, name, replacements[name])
-    if emulate_cuda and hasattr(module, "HOST"):  # what a script keeps in host memory (05e)
-        module.HOST = HOST_DEVICE  # goes where the emulated GPU's host is, apart from the GPU
     script_argv = [*without_estimate_flag(argv), *QUICK_RUN, "--device", "cpu"]
     fake_mode = FakeModeReadingZeros(allow_non_fake_inputs=True, cuda_batch_norm=emulate_cuda)
     with ExitStack() as stack:

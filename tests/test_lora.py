@@ -84,6 +84,22 @@ def test_lora_targets_choose_the_adapted_layers(tmp_path, capsys):
         run_script("07a", [*QUICK, "--lora-targets", "query"], tmp_path)
 
 
+@pytest.mark.parametrize("script", ["07a", "07b"])
+def test_a_lora_rank_above_a_layers_width_stops_before_training_saying_what_to_use(script, tmp_path):
+    """B A, the update of a layer of n inputs and m outputs, has rank min(n, m) at most, and its
+    adapters hold more weights than the layer long before: a larger --lora-rank is refused with a
+    message naming the layer, before anything trains. A rank of exactly the width is taken
+    (tiny's narrowest layers are 128 wide)."""
+    from common.presets import PRESETS
+    module = load_script(script)
+    module.MemoryMeter = lambda *args, **kwargs: pytest.fail("training started")
+    with pytest.raises(SystemExit, match=re.escape(
+            "--lora-rank 129 is larger than the layer 'attention.q_proj' (a 128 x 128 weight)")) as stop:
+        module.main([*QUICK, "--lora-rank", "129", "--results-dir", str(tmp_path)])
+    assert "Use a --lora-rank well below 128" in str(stop.value)
+    assert "fc1" in module.add_adapters(module.create_model(PRESETS["tiny"]), rank=128, alpha=16)
+
+
 def test_a_few_steps_of_lora_lower_the_loss(tmp_path):
     record, _ = run_script("07a", ["--epochs", "1", "--max-steps", "12"], tmp_path)
     losses = record["losses"]

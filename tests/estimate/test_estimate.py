@@ -317,10 +317,11 @@ def test_a_broken_contract_stops_the_estimate_naming_the_name(tmp_path, old, new
 
 
 def test_the_estimate_stands_in_for_exactly_the_names_of_the_contract():
-    from estimate.contract import REQUIRED, REQUIRED_WHEN_DISTRIBUTED
+    from estimate.contract import REQUIRED, REQUIRED_WHEN_DISTRIBUTED, REQUIRED_WHEN_OFFLOADING
     from estimate.fake_run import FakeRun, stand_ins
     replaced = stand_ins(FakeRun(script="07_fsdp", emulate_cuda=True), world_size=2)
-    assert replaced.keys() == REQUIRED.keys() | REQUIRED_WHEN_DISTRIBUTED.keys()
+    assert replaced.keys() == (REQUIRED.keys() | REQUIRED_WHEN_DISTRIBUTED.keys()
+                               | REQUIRED_WHEN_OFFLOADING.keys())
 
 
 def test_a_sharded_script_that_fills_its_shards_another_way_is_refused(tmp_path):
