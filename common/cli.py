@@ -249,13 +249,6 @@ def compiler_problem(device):
     return None
 
 
-def processes_for(batch_size, accum_steps, most):
-    """The most processes, at most `most`, over which a batch of `batch_size` splits into
-    `accum_steps` equal micro-batches in every process (1 at least)."""
-    return max(count for count in range(1, max(most, 1) + 1)
-               if batch_size % (count * accum_steps) == 0 or count == 1)
-
-
 def check_batch_split(args, world_size):
     """Exit with a message unless every process gets --accum-steps micro-batches of equal size.
 
