@@ -1,6 +1,7 @@
 """The command line every numbered script shares, with checks that say what was wrong."""
 import argparse
 import importlib.util
+import signal
 import sys
 import tempfile
 from pathlib import Path
@@ -53,14 +54,19 @@ def unwritable(directory):
     return None
 
 
-def say_interrupted(error_type, error, trace, previous=sys.excepthook):
-    """Python's last word on an error nothing caught: for Ctrl-C, one line instead of a
-    traceback (the exit status stays that of an interrupted program)."""
-    if issubclass(error_type, KeyboardInterrupt):
+def run_main(main):
+    """Run a script's `main()` as its command (the script's last lines call this; main() itself
+    leaves Ctrl-C to its caller). On Ctrl-C: one line instead of a traceback, then the end of an
+    interrupted program, as Python's own (killed by SIGINT, so that a shell loop stops too)."""
+    try:
+        return main()
+    except KeyboardInterrupt:
         print("\ninterrupted (Ctrl-C): stopped before the end, so no record was written; earlier "
-              "records in the results directory are as they were", file=sys.stderr)
-        return
-    previous(error_type, error, trace)
+              "records in the results directory are as they were", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        signal.raise_signal(signal.SIGINT)
+        raise SystemExit(130)  # where SIGINT's default action does not end the process
 
 
 def parse_args(description, argv=None, accum_steps=None, sharded=False, no_accumulation=None,
@@ -77,7 +83,6 @@ def parse_args(description, argv=None, accum_steps=None, sharded=False, no_accum
     Preset defaults fill --epochs and --batch-size; --lr stays None unless given, so each script
     picks its optimizer's default from the preset.
     """
-    sys.excepthook = say_interrupted
     parser = argparse.ArgumentParser(description=description,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", choices=sorted(PRESETS),

@@ -2,12 +2,11 @@
 import argparse
 import os
 import resource
-import sys
 import time
 from concurrent.futures import as_completed
 
 import estimate
-from common.cli import positive_int, say_interrupted, unwritable
+from common.cli import positive_int, unwritable
 from estimate.contract import cannot_estimate
 from estimate.fit import fit_table, parse_size, search_all
 from estimate.gpu_choices import DEFAULT_GPU, GPUS
@@ -212,7 +211,6 @@ def model_flags(args):
 
 def main(argv=None):
     """`python -m estimate`: every numbered script, one table; returns the exit status."""
-    sys.excepthook = say_interrupted  # Ctrl-C between estimates: one line, no traceback
     start = time.perf_counter()
     args = parse_table_args(argv)
     scripts, notes = select_scripts(args.scripts)
