@@ -77,7 +77,7 @@ def parse_args(description, argv=None, accum_steps=None, sharded=False, no_accum
     turns that flag into an error saying so; `task`, the only task a script trains (05g:
     causal-lm), is --task's default, and any other is refused.
 
-    The preset the run trains, --model's classifier in place of the preset's own when given, is
+    The preset the run trains (with --model's model in place of its own, when given) is
     resolved here once and travels on `args` (`preset_for(args)` returns it).
 
     Preset defaults fill --epochs and --batch-size; --lr stays None unless given, so each script
@@ -90,9 +90,9 @@ def parse_args(description, argv=None, accum_steps=None, sharded=False, no_accum
                              "CIFAR-10; tiny-text: offline, a MiniLM on movie reviews; imdb: "
                              "BLOOM-560m on IMDb (article and imdb: GPU and network)")
     parser.add_argument("--model", metavar="NAME_OR_DIR",
-                        help="train (or --estimate) this Hugging Face image or sequence classifier "
-                             "(or decoder, with --task causal-lm) instead of the preset's model: a "
-                             "Hub id, or a directory holding its config.json (weights optional); "
+                        help="train (or --estimate) this Hugging Face model instead of the preset's: "
+                             "an image or sequence classifier, or with --task causal-lm a decoder; "
+                             "a Hub id, or a directory holding its config.json (weights optional); "
                              "the data comes from the preset")
     parser.add_argument("--task", choices=TASKS, default=task or "classification",
                         help="classification (default): the label of each image or text; "
