@@ -137,4 +137,5 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    from common.cli import run_main  # Ctrl-C: one line instead of a traceback
+    run_main(main)

@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from common.model import model_class, model_config, transformer_blocks  # noqa: E402
-from common.presets import PRESETS, get_preset, is_text  # noqa: E402
+from common.presets import PRESETS, is_text  # noqa: E402
 from steps import STEPS  # noqa: E402
 from estimate.fake_tensor_patches import FakeModeReadingZeros  # noqa: E402
 from steps import import_script  # noqa: E402
@@ -80,7 +80,7 @@ def main(argv=None):
           "05c | 05c / 04, forward and backward | recomputed / forward, 05d |")
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for name in args.presets:
-        preset = get_preset(name)
+        preset = PRESETS[name]
         size = preset.batch_size // accum_steps
         forward, plain = forward_backward_flops(preset, size)
         _, checkpointed = forward_backward_flops(preset, size, "05c")

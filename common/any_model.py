@@ -1,10 +1,12 @@
-"""--model NAME_OR_DIR: any Hugging Face image or sequence classifier in place of a preset's model.
+"""--model NAME_OR_DIR: any Hugging Face image or sequence classifier, or under --task causal-lm
+any decoder, in place of a preset's model.
 
 The model's config.json (in a local directory, in the Hugging Face cache, or on the Hub) names
 its architecture, and so its task: an image classifier trains on the images of the preset, a
-sequence classifier on its texts (`tiny` and `tiny-text` unless --preset says otherwise). The
-estimate needs only the config; training loads the pretrained weights where the model has them
-(a Hub id, or a directory holding weights), and otherwise draws new ones, as `tiny` does.
+sequence classifier or a decoder on its texts (`tiny` and `tiny-text` unless --preset says
+otherwise). The estimate needs only the config; training loads the pretrained weights where the
+model has them (a Hub id, or a directory holding weights), and otherwise draws new ones, as
+`tiny` does. Only --model imports this module (and transformers' tables of every architecture).
 """
 import dataclasses
 import functools
@@ -45,10 +47,10 @@ def task_of(model_type):
     return None
 
 
-def classifier_class_name(model_type, task="classification"):
-    """The transformers class that trains this architecture for `task`: the one that classifies
-    (for example BertForSequenceClassification), or for causal-lm the one that predicts the next
-    token (LlamaForCausalLM)."""
+def model_class_name(model_type, task="classification"):
+    """The name of the transformers class that trains this architecture for `task`: the one that
+    classifies (for example BertForSequenceClassification), or for causal-lm the one that
+    predicts the next token (LlamaForCausalLM)."""
     if task == "causal-lm":
         return MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type]
     return (MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES.get(model_type)
@@ -119,8 +121,9 @@ def longest_sequence(config):
 
 
 def with_model(preset, name_or_dir, seq_len=None, image_size=None, num_labels=None):
-    """`preset` (its data, batch, epochs and learning rates) with the model `name_or_dir`, given
-    `seq_len` tokens (text) or `image_size` pixels square (images) and `num_labels` classes."""
+    """`preset` (its data, task, batch, epochs and learning rates) with the model `name_or_dir`,
+    given `seq_len` tokens (text) or `image_size` pixels square (images) and `num_labels`
+    classes."""
     config, has_weights = read_config(name_or_dir)
     task = task_of(config.model_type)
     if preset.task == "causal-lm":

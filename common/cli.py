@@ -1,6 +1,7 @@
 """The command line every numbered script shares, with checks that say what was wrong."""
 import argparse
 import importlib.util
+import signal
 import sys
 import tempfile
 from pathlib import Path
@@ -53,14 +54,19 @@ def unwritable(directory):
     return None
 
 
-def say_interrupted(error_type, error, trace, previous=sys.excepthook):
-    """Python's last word on an error nothing caught: for Ctrl-C, one line instead of a
-    traceback (the exit status stays that of an interrupted program)."""
-    if issubclass(error_type, KeyboardInterrupt):
+def run_main(main):
+    """Run a script's `main()` as its command (the script's last lines call this; main() itself
+    leaves Ctrl-C to its caller). On Ctrl-C: one line instead of a traceback, then the end of an
+    interrupted program, as Python's own (killed by SIGINT, so that a shell loop stops too)."""
+    try:
+        return main()
+    except KeyboardInterrupt:
         print("\ninterrupted (Ctrl-C): stopped before the end, so no record was written; earlier "
-              "records in the results directory are as they were", file=sys.stderr)
-        return
-    previous(error_type, error, trace)
+              "records in the results directory are as they were", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        signal.raise_signal(signal.SIGINT)
+        raise SystemExit(130)  # where SIGINT's default action does not end the process
 
 
 def parse_args(description, argv=None, accum_steps=None, sharded=False, no_accumulation=None,
@@ -71,13 +77,12 @@ def parse_args(description, argv=None, accum_steps=None, sharded=False, no_accum
     turns that flag into an error saying so; `task`, the only task a script trains (05g:
     causal-lm), is --task's default, and any other is refused.
 
-    The preset the run trains, --model's classifier in place of the preset's own when given, is
+    The preset the run trains (with --model's model in place of its own, when given) is
     resolved here once and travels on `args` (`preset_for(args)` returns it).
 
     Preset defaults fill --epochs and --batch-size; --lr stays None unless given, so each script
     picks its optimizer's default from the preset.
     """
-    sys.excepthook = say_interrupted
     parser = argparse.ArgumentParser(description=description,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", choices=sorted(PRESETS),
@@ -85,9 +90,9 @@ def parse_args(description, argv=None, accum_steps=None, sharded=False, no_accum
                              "CIFAR-10; tiny-text: offline, a MiniLM on movie reviews; imdb: "
                              "BLOOM-560m on IMDb (article and imdb: GPU and network)")
     parser.add_argument("--model", metavar="NAME_OR_DIR",
-                        help="train (or --estimate) this Hugging Face image or sequence classifier "
-                             "(or decoder, with --task causal-lm) instead of the preset's model: a "
-                             "Hub id, or a directory holding its config.json (weights optional); "
+                        help="train (or --estimate) this Hugging Face model instead of the preset's: "
+                             "an image or sequence classifier, or with --task causal-lm a decoder; "
+                             "a Hub id, or a directory holding its config.json (weights optional); "
                              "the data comes from the preset")
     parser.add_argument("--task", choices=TASKS, default=task or "classification",
                         help="classification (default): the label of each image or text; "
@@ -247,13 +252,6 @@ def compiler_problem(device):
                 "xcode-select --install) or Visual Studio's C++ build tools (Windows: run from "
                 "their developer prompt), or name a compiler in the CXX environment variable")
     return None
-
-
-def processes_for(batch_size, accum_steps, most):
-    """The most processes, at most `most`, over which a batch of `batch_size` splits into
-    `accum_steps` equal micro-batches in every process (1 at least)."""
-    return max(count for count in range(1, max(most, 1) + 1)
-               if batch_size % (count * accum_steps) == 0 or count == 1)
 
 
 def check_batch_split(args, world_size):

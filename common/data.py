@@ -33,12 +33,6 @@ TOKENIZER_FILES = ("tokenizer.json", "vocab.txt", "vocab.json", "tokenizer.model
                    "sentencepiece.bpe.model")
 
 
-def splits_of(dataset):
-    """(train, validation, test) samples of a preset's data set (`preset.dataset`), or None."""
-    return {"digits": DIGITS_SPLITS, "uoft-cs/cifar10": CIFAR10_SPLITS,
-            "movie-snippets": SNIPPET_SPLITS, "stanfordnlp/imdb": IMDB_SPLITS}.get(dataset)
-
-
 @dataclass
 class Data:
     train: DataLoader

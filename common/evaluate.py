@@ -1,19 +1,15 @@
 """The score of a model over a loader, counted over all processes when there are several:
 classification accuracy, or under --task causal-lm the next-token loss (and its perplexity).
 
-torchmetrics' MulticlassAccuracy counts the correct predictions and the wrong ones of each
-batch; with average="micro" its accuracy is correct / samples, the plain accuracy (its default,
-"macro", would average the accuracy of each class instead). Under a process group it gathers
-every process's counts and sums them (so processes that saw different numbers of samples are
-weighed by their samples); its counts live on the training device, as NCCL requires of CUDA.
-The next-token loss is summed over every predicted token and divided by their count, over all
-processes likewise.
+Accuracy counts the samples whose highest logit is their label, and the samples, on the training
+device (as NCCL requires of CUDA); under a process group every process's counts are summed, so
+processes that saw different numbers of samples are weighed by their samples. The next-token loss
+is summed over every predicted token and divided by their count, over all processes likewise.
 """
 import math
 
 import torch
 import torch.distributed as dist
-from torchmetrics.classification import MulticlassAccuracy
 
 from common.data import IGNORED, split_batch, to_device
 
@@ -75,15 +71,15 @@ def is_causal_lm(model):
 
 
 def accuracy(model, loader, device, dtype):
-    metric = MulticlassAccuracy(model.config.num_labels, average="micro",
-                                sync_on_compute=False).to(device)  # synced once, below
+    counts = torch.zeros(2, dtype=torch.int64, device=device)  # correct predictions, samples
     for inputs, labels in loader:
         logits = model(**to_device(inputs, device, dtype)).logits
-        metric.update(logits, labels.to(device))  # the prediction is the highest logit
-    metric.sync()  # every process's counts, summed; nothing to do without a process group
-    # micro: tp counts the correct predictions, fn the wrong ones. compute() would divide them
-    # in float32; the record keeps the exact fraction, so that accuracy x samples is a count.
-    correct, samples = int(metric.tp), int(metric.tp + metric.fn)
+        predicted = logits.argmax(dim=-1)  # the highest logit (the first of equal ones)
+        counts[0] += (predicted == labels.to(device)).sum()
+        counts[1] += len(labels)
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(counts)  # every process's counts
+    correct, samples = counts.tolist()  # exact: accuracy x samples is a count
     return Accuracy(correct / samples if samples else float("nan"), samples)
 
 

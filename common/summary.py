@@ -1,4 +1,5 @@
-"""The end-of-run summary: printed for people, written as JSON for the tour table."""
+"""The end-of-run summary: printed for people, written as JSON for the tour table (its fields:
+docs/development.md, "The record of a run")."""
 import json
 from pathlib import Path
 
@@ -9,64 +10,8 @@ from common.atomic_write import write_json_atomically
 from common.progress import is_main_process
 
 
-# What results/<script>.json holds, one home: field, when it is there, what it means.
-# docs/development.md lists these (tested); "always" fields are in every record.
-RECORD_FIELDS = {
-    "script": ("always", "the script's name, 04_grad_accum"),
-    "preset": ("always", "tiny, tiny-text, article or imdb"),
-    "model": ("always", "--model's name or directory, or null for the preset's model"),
-    "reshard_after_forward": ("always", "07-09's --reshard-after-forward, else null"),
-    "device": ("always", "cpu or cuda"),
-    "world_size": ("always", "processes"),
-    "batch_size": ("always", "samples per optimizer step, over all processes"),
-    "accum_steps": ("always", "micro-batches per optimizer step"),
-    "peak_memory_bytes": ("always", "the tracked peak of the first two optimizer steps "
-                          "(the highest over processes)"),
-    "breakdown_bytes": ("always", "what fills that peak: parameters, gradients, "
-                        "optimizer_state, activations, temporaries"),
-    "parameter_count": ("always", "the model's parameters"),
-    "trainable_parameter_count": ("always", "those training updates (fewer where weights are "
-                                  "frozen: 07a's LoRA trains adapters and the head)"),
-    "model_state_bytes_per_parameter": ("always", "parameters, gradients and optimizer state at "
-                                        "the peak per parameter (of a process's share)"),
-    "tracked_steps": ("always", "optimizer steps the meter tracked"),
-    "memory_counted_by": ("always", "MemTracker, or the allocator's events under --compile"),
-    "cuda_max_allocated_bytes": ("on CUDA", "torch.cuda.max_memory_allocated over the whole run "
-                                 "(the highest over processes)"),
-    "cuda_max_reserved_bytes": ("on CUDA", "torch.cuda.max_memory_reserved, likewise"),
-    "rank_peak_memory_bytes": ("several processes", "each process's tracked peak"),
-    "rank_cuda_max_allocated_bytes": ("several processes on CUDA", "each process's allocated peak"),
-    "rank_cuda_max_reserved_bytes": ("several processes on CUDA", "each process's reserved peak"),
-    "init_peak_memory_bytes": ("always", "the peak while the model was created, on the device"),
-    "init_host_peak_memory_bytes": ("always", "the same in host memory (on a CPU, the device figure again)"),
-    "rank_init_peak_memory_bytes": ("several processes", "each process's creation peak"),
-    "train_seconds": ("always", "training time, less the two tracked steps"),
-    "task": ("always", "classification, or causal-lm (--task): what the model learns"),
-    "test_accuracy": ("always", "accuracy on the test split, 0 to 1 (null under causal-lm)"),
-    "test_samples": ("always", "how many test samples that accuracy counts (null under causal-lm)"),
-    "test_loss": ("under causal-lm", "the mean next-token loss on the test split, in nats"),
-    "test_perplexity": ("under causal-lm", "exp(test_loss)"),
-    "test_tokens": ("under causal-lm", "how many predicted tokens that loss averages"),
-    "steps": ("always", "optimizer steps taken"),
-    "epochs": ("always", "--epochs"),
-    "seed": ("always", "--seed"),
-    "torch_version": ("always", "torch.__version__"),
-    "losses": ("always", "the training loss of each optimizer step"),
-    "final_lr": ("always", "the learning rate after the last step"),
-}
-
-
 def mib(nbytes):
     return f"{nbytes / 2**20:,.2f} MiB"
-
-
-PER_PARAMETER = "model state B/param"  # tables' column of model_state_bytes_per_parameter
-PER_PARAMETER_NOTE = (
-    f'"{PER_PARAMETER}": the parameters, gradients and optimizer state at the peak, in bytes per '
-    "parameter: float32 weights with Adam hold 16 (4, 4 for the gradient, 8 for Adam's two "
-    "moments), bfloat16 ones 8, and 12 and 6 at a peak that comes before the gradients exist. "
-    "With N processes sharding the model, per parameter of a process's 1/N share (gathered "
-    "weights add to it): divide by N for its bytes per parameter of the whole model.")
 
 
 def model_state_words(per_parameter, parameter_count, world_size):

@@ -1,6 +1,7 @@
 """python -m estimate: the table of every numbered script's predicted GPU memory."""
 import sys
 
+from common.cli import run_main
 from estimate.table import main
 
-sys.exit(main())
+sys.exit(run_main(main))  # Ctrl-C between estimates: one line, no traceback

@@ -27,7 +27,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from common.data import Data, splits_of
+import common.data
+from common.data import Data
 from estimate import gpu_choices
 from estimate.allocation_trace import AllocationTrace
 from estimate.fake_tensor_patches import (FakeModeReadingZeros, device_meshes_made_for_real,
@@ -154,6 +155,14 @@ def materialise_fake(model, device):
     return model
 
 
+def splits_of(dataset):
+    """(train, validation, test) samples of a preset's data set (`preset.dataset`), as
+    common/data.py splits it, or None."""
+    data = common.data  # read at each call: tests shorten SNIPPET_SPLITS
+    return {"digits": data.DIGITS_SPLITS, "uoft-cs/cifar10": data.CIFAR10_SPLITS,
+            "movie-snippets": data.SNIPPET_SPLITS, "stanfordnlp/imdb": data.IMDB_SPLITS}.get(dataset)
+
+
 def stand_ins(run, world_size):
     """The replacements for the helpers a script imports by name, keyed by that name."""
     host = HOST_DEVICE if run.emulate_cuda else COMPUTE_DEVICE
@@ -162,7 +171,7 @@ def stand_ins(run, world_size):
         splits = splits_of(preset.dataset)  # as common/data.py splits the data set
         if splits is None:
             raise EstimateError(f"no sample count known for the data set {preset.dataset!r}; "
-                                "add its splits to splits_of in common/data.py")
+                                "add its splits to splits_of in estimate/fake_run.py")
         samples = splits[0]
         if SAMPLES_FOR_ANY_BATCH:  # the --gpu-memory search: two batches, whatever their size
             samples = max(samples, 2 * batch_size)

@@ -21,6 +21,13 @@ ESTIMATE_FILE = "estimate.json"
 GB = 10**9  # the study's unit
 RECORD_KEY = ("script", "preset", "model", "reshard_after_forward", "device", "gpu", "world_size",
               "batch_size", "accum_steps")
+PER_PARAMETER = "model state B/param"  # tables' column of model_state_bytes_per_parameter
+PER_PARAMETER_NOTE = (
+    f'"{PER_PARAMETER}": the parameters, gradients and optimizer state at the peak, in bytes per '
+    "parameter: float32 weights with Adam hold 16 (4, 4 for the gradient, 8 for Adam's two "
+    "moments), bfloat16 ones 8, and 12 and 6 at a peak that comes before the gradients exist. "
+    "With N processes sharding the model, per parameter of a process's 1/N share (gathered "
+    "weights add to it): divide by N for its bytes per parameter of the whole model.")
 
 
 @dataclass

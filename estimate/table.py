@@ -2,21 +2,27 @@
 import argparse
 import os
 import resource
-import sys
 import time
 from concurrent.futures import as_completed
 
 import estimate
-from common.cli import positive_int, processes_for, say_interrupted, unwritable
+from common.cli import positive_int, unwritable
 from estimate.contract import cannot_estimate
 from estimate.fit import fit_table, parse_size, search_all
 from estimate.gpu_choices import DEFAULT_GPU, GPUS
-from estimate.predict import GB, Row, attempt, in_units, published_gb, save_records, setting
+from estimate.predict import (GB, PER_PARAMETER, PER_PARAMETER_NOTE, Row, attempt, in_units,
+                              published_gb, save_records, setting)
 from estimate.published import STUDY_RESERVED_GB
 from estimate.workers import worker_pool
-from common.presets import PRESETS, TASKS, get_preset
-from common.summary import PER_PARAMETER, PER_PARAMETER_NOTE
+from common.presets import PRESETS, TASKS
 from steps import scripts as numbered_scripts, step_id, step_of, with_parent
+
+
+def processes_for(batch_size, accum_steps, most):
+    """The most processes, at most `most`, over which a batch of `batch_size` splits into
+    `accum_steps` equal micro-batches in every process (1 at least)."""
+    return max(count for count in range(1, max(most, 1) + 1)
+               if batch_size % (count * accum_steps) == 0 or count == 1)
 
 
 def rows_for(script, preset, device, world_size, model_flags=(), gpu=DEFAULT_GPU):
@@ -25,7 +31,7 @@ def rows_for(script, preset, device, world_size, model_flags=(), gpu=DEFAULT_GPU
     one row. `gpu`: the GPU emulated (a key of GPUS)."""
     base = ["--preset", preset, "--device", device, *model_flags]
     distributed = step_of(script).sharded  # 07 on: they take a world size
-    default = (get_preset(preset).batch_size, step_of(script).accum_steps)
+    default = (PRESETS[preset].batch_size, step_of(script).accum_steps)
     if distributed:  # as many of the GPUs as the batch splits over (the setting names them)
         batch_size = (int(model_flags[model_flags.index("--batch-size") + 1])
                       if "--batch-size" in model_flags else default[0])
@@ -205,7 +211,6 @@ def model_flags(args):
 
 def main(argv=None):
     """`python -m estimate`: every numbered script, one table; returns the exit status."""
-    sys.excepthook = say_interrupted  # Ctrl-C between estimates: one line, no traceback
     start = time.perf_counter()
     args = parse_table_args(argv)
     scripts, notes = select_scripts(args.scripts)

@@ -103,9 +103,9 @@ def assert_follows(actual, expected, preset_name="tiny", what="losses"):
     rounding of a forward and backward of the preset's model over one batch can produce, scaled
     by the largest of the compared values (tests/rounding.py)."""
     from common.model import model_config
-    from common.presets import get_preset
+    from common.presets import PRESETS
     from rounding import additions, assert_same_sum
-    preset = get_preset(preset_name)
+    preset = PRESETS[preset_name]
     tokens = preset.max_length or (preset.image_size // preset.config["patch_size"]) ** 2 + 1
     expected, actual = torch.as_tensor(expected), torch.as_tensor(actual)
     assert actual.shape == expected.shape, what

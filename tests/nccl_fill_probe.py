@@ -16,11 +16,11 @@ from torch.distributed.fsdp import fully_shard
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from common.distributed import end_distributed, init_distributed  # noqa: E402
 from common.model import create_model, fill_shards, transformer_blocks  # noqa: E402
-from common.presets import get_preset  # noqa: E402
+from common.presets import PRESETS  # noqa: E402
 
 rank, world_size, device = init_distributed(torch.device(sys.argv[2] if len(sys.argv) > 2 else "cuda"))
 try:
-    preset = get_preset("tiny")
+    preset = PRESETS["tiny"]
     torch.manual_seed(0)
     with torch.device("meta"):
         model = create_model(preset, dtype=torch.bfloat16)

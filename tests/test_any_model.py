@@ -1,4 +1,5 @@
-"""--model: any Hugging Face image or sequence classifier, trained and estimated by every step.
+"""--model: any Hugging Face image or sequence classifier, or decoder (--task causal-lm), trained
+and estimated by every step.
 
 The models here are small ones written as config.json files (a 2-layer BERT with MiniLM's
 tokenizer, a 2-layer ViT), so nothing is downloaded.
@@ -157,3 +158,17 @@ def test_the_tokenizer_pads_with_the_token_the_model_is_told_is_padding(models, 
     tokenizer = tokenizer_for(preset)
     assert tokenizer.pad_token_id == preset.config["pad_token_id"] == 102
     assert tokenizer(["a"], padding="max_length", max_length=6)["input_ids"][0][-1] == 102
+
+
+def test_the_presets_classes_are_those_transformers_tables_give():
+    """common/model.py names the class of each preset's architecture and task, so that a run on
+    a preset does not load the tables of every architecture: --model finds the same there."""
+    from common.any_model import model_class_name
+    from common.model import PRESET_CLASSES
+    from common.presets import CAUSAL_LM, PRESETS, for_task
+    used = {(preset.architecture, preset.task) for preset in
+            [for_task(preset, task) for preset in PRESETS.values()
+             for task in ["classification", *(["causal-lm"] if preset.name in CAUSAL_LM else [])]]}
+    assert used == set(PRESET_CLASSES)  # every preset's, and none that no preset has
+    for (architecture, task), name in PRESET_CLASSES.items():
+        assert name == model_class_name(architecture, task)

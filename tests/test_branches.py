@@ -135,10 +135,10 @@ def test_checkpointing_recomputes_at_most_one_forward_and_selective_no_matrix_pr
     (every block runs again) and by no more than one (nothing runs twice over); 05d's not at all,
     since FlopCounterMode counts the matrix products and attention, whose outputs 05d keeps."""
     from benchmarks.recompute_flops import forward_backward_flops
-    from common.presets import get_preset
-    forward, plain = forward_backward_flops(get_preset(preset), 2)
-    _, checkpointed = forward_backward_flops(get_preset(preset), 2, "05c")
-    _, selective = forward_backward_flops(get_preset(preset), 2, "05d")
+    from common.presets import PRESETS
+    forward, plain = forward_backward_flops(PRESETS[preset], 2)
+    _, checkpointed = forward_backward_flops(PRESETS[preset], 2, "05c")
+    _, selective = forward_backward_flops(PRESETS[preset], 2, "05d")
     assert 0.5 * forward < checkpointed - plain <= forward
     assert selective == plain
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from common.model import create_model
-from common.presets import get_preset
+from common.presets import PRESETS
 from conftest import ROOT, requires_cuda, requires_two_gpus, run_script, script_path
 
 ON_GPU = ["--epochs", "1", "--max-steps", "2", "--device", "cuda"]
@@ -18,7 +18,7 @@ ON_GPU = ["--epochs", "1", "--max-steps", "2", "--device", "cuda"]
 
 def model_bytes(dtype):
     with torch.device("meta"):
-        model = create_model(get_preset("tiny"), dtype=dtype)
+        model = create_model(PRESETS["tiny"], dtype=dtype)
     return sum(param.numel() * param.element_size() for param in model.parameters())
 
 

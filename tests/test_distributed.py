@@ -20,8 +20,8 @@ import torch
 
 from common.evaluate import evaluate
 from common.model import create_model, transformer_blocks
-from common.presets import get_preset
-from common.summary import RECORD_FIELDS
+from common.presets import PRESETS
+from tour.records import RECORD_FIELDS
 from conftest import (PROBED_TEST_TIMEOUT, assert_follows, ROOT, SHARDED_RUN, TEXT, WORLD_SIZE,
                       load_script, model_state_bytes, one_process_fp32, script_path, stop)
 
@@ -53,7 +53,7 @@ def test_each_process_trains_on_its_own_half_of_every_batch(probed_runs):
     batches = [run["batches"] for run in probed_runs("07").ranks]
     assert [len(seen) for seen in batches] == [3, 3]
     for first, second in zip(*batches):
-        assert first["size"] == second["size"] == get_preset("tiny").batch_size // WORLD_SIZE
+        assert first["size"] == second["size"] == PRESETS["tiny"].batch_size // WORLD_SIZE
         assert first["input_sum"] != second["input_sum"]  # different samples
 
 
@@ -313,7 +313,7 @@ def test_keeping_the_gathered_weights_to_backward_trains_alike_and_holds_more(pr
     # float32, 4 blocks: freed holds one block's whole weights gathered (two while the next is
     # fetched); kept holds every block's at the end of forward, less its own half of each
     block_bytes = 4 * sum(param.numel() for param in
-                          transformer_blocks(create_model(get_preset("tiny")))[0].parameters())
+                          transformer_blocks(create_model(PRESETS["tiny"]))[0].parameters())
     more = (kept.record["breakdown_bytes"]["parameters"]
             - freed.record["breakdown_bytes"]["parameters"])
     assert more >= block_bytes, (more, block_bytes)

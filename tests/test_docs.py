@@ -305,7 +305,7 @@ def test_every_table_between_markers_is_the_one_published(document):
 
 
 def test_the_record_fields_documented_are_those_a_run_writes():
-    from common.summary import RECORD_FIELDS
+    from tour.records import RECORD_FIELDS
     chapter = (ROOT / "docs" / "development.md").read_text()
     section = chapter.split("<!-- record fields -->")[1].split("<!-- /record fields -->")[0]
     listed = re.findall(r"^\| `(\w+)` \| ([^|]+) \|", section, flags=re.MULTILINE)

@@ -1,5 +1,9 @@
-"""No import circle among the repository's own modules (read with ast, not by importing)."""
+"""No import circle among the repository's own modules (read with ast, not by importing), and no
+module a script on a preset does not need (imported, in a new interpreter)."""
 import ast
+import json
+import subprocess
+import sys
 
 from conftest import ROOT
 
@@ -65,3 +69,38 @@ def test_no_module_imports_itself_through_others():
 def test_the_check_finds_a_circle():
     assert cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert cycle({"a": {"b"}, "b": set()}) is None
+
+
+# What a script on a preset must not import: --model's module and transformers' tables of every
+# architecture (modeling_auto; transformers imports it itself once a model class is loaded)
+MODEL_LOOKUP = ("common.any_model", "transformers.models.auto.modeling_auto")
+IMPORTED_ON_A_PRESET = """
+import importlib, json, sys
+importlib.import_module(sys.argv[1])
+imported = {name: name in sys.modules for name in sys.argv[2:]}
+from common.model import model_class
+from common.presets import CAUSAL_LM, PRESETS, for_task
+for preset in PRESETS.values():
+    for task in ["classification", *(["causal-lm"] if preset.name in CAUSAL_LM else [])]:
+        model_class(for_task(preset, task))
+print(json.dumps({"imported": imported, "to_train": "common.any_model" in sys.modules}))
+"""
+
+
+def imported_on_a_preset(script):
+    """{module: imported by importing `script`} for MODEL_LOOKUP, and whether finding the model
+    class of every preset and task imported common.any_model (in a new interpreter)."""
+    done = subprocess.run([sys.executable, "-c", IMPORTED_ON_A_PRESET, script, *MODEL_LOOKUP],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.splitlines()[-1])
+
+
+def test_a_script_on_a_preset_imports_no_table_of_every_architecture():
+    found = imported_on_a_preset("04_grad_accum")
+    assert found == {"imported": {name: False for name in MODEL_LOOKUP}, "to_train": False}
+
+
+def test_the_import_check_sees_the_model_lookup():
+    found = imported_on_a_preset("common.any_model")  # what a script that imported it would see
+    assert found["imported"] == {name: True for name in MODEL_LOOKUP}

@@ -15,7 +15,7 @@ import tokenize
 
 import pytest
 
-from steps import STEPS
+from steps import STEPS, scripts, step_id
 from conftest import QUICK, ROOT, script_path
 
 # the tag each step puts on the lines it adds (steps.py; also listed in the README)
@@ -150,6 +150,66 @@ def test_common_imports_neither_the_estimator_nor_the_tour_at_the_top():
         assert not [name for name in names if name.split(".")[0] in ("estimate", "tour")], path
 
 
+def imported_by(path, every_import=True):
+    """The modules `path` imports: everywhere in it, or only at its top; packages outside this
+    repository by their top-level name, the Python standard library left out."""
+    found = set()
+    nodes = ast.walk(ast.parse(path.read_text())) if every_import else ast.parse(path.read_text()).body
+    for node in nodes:
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            found.add(node.module)
+    return {name if name.startswith("common.") else name.split(".")[0] for name in found
+            if name.split(".")[0] not in sys.stdlib_module_names}
+
+
+def common_imported(modules):
+    """`modules` and every common/ module they import at their top, in turn."""
+    found, todo = set(), [name for name in modules if name.startswith("common.")]
+    while todo:
+        name = todo.pop()
+        if name not in found:
+            found.add(name)
+            path = ROOT / "common" / f"{name.removeprefix('common.')}.py"
+            todo += [other for other in imported_by(path, every_import=False)
+                     if other.startswith("common.")]
+    return found
+
+
+def ticked(text):
+    """The `names` in `text`, common/ modules as common.NAME, flags and folders left out."""
+    names = re.findall(r"`([^`]+)`", text)
+    return {name.replace("common/", "common.") for name in names
+            if not name.startswith("--") and not name.endswith("/")}
+
+
+def test_copying_a_script_lists_what_each_script_imports():
+    readme = (ROOT / "README.md").read_text()
+    section = readme.split("<!-- script imports -->")[1].split("<!-- /script imports -->")[0]
+    prose, table = section.split("\n| script |")
+    direct, rest = prose.split("which import")
+    in_turn, lazily = rest.split(";", 1)
+    every = {name if name == "torch" else f"common.{name}" for name in ticked(direct)}
+    extra = {}
+    for row in table.splitlines()[2:]:
+        cells = [cell.strip() for cell in row.strip("|").split("|")]
+        for step in cells[0].split(", "):
+            extra[step] = ticked(cells[1])
+    imports = {step_id(path): imported_by(path) - {"estimate"}  # only under --estimate
+               for path in scripts()}
+    assert every == set.intersection(*imports.values())
+    assert extra == {step: found - every for step, found in imports.items() if found - every}
+    everything = set.union(*imports.values())
+    commons = common_imported(everything)
+    assert {f"common.{name}" for name in ticked(in_turn)} == commons - everything
+    assert {f"common.{name}" for name in ticked(lazily)} == {
+        f"common.{path.stem}" for path in (ROOT / "common").glob("*.py")} - commons - {"common.__init__"}
+    packages = {name for name in everything if not name.startswith("common.")}
+    required = re.findall(r"^([\w-]+)==", (ROOT / "requirements.txt").read_text(), flags=re.MULTILINE)
+    assert packages <= set(required)
+
+
 def copy_with(tmp_path, script, folders=COPIED):
     target = tmp_path / "project"
     target.mkdir()
@@ -160,18 +220,24 @@ def copy_with(tmp_path, script, folders=COPIED):
     return target
 
 
-def run_copy(target, script, *flags):
+def run_copy(target, script, *flags, python=()):
     name = script_path(script).name
-    return subprocess.run([sys.executable, name, *flags], cwd=target, capture_output=True,
+    return subprocess.run([sys.executable, *python, name, *flags], cwd=target, capture_output=True,
                           text=True, timeout=300, env={"PATH": "", "HOME": str(target)})
 
 
 @pytest.mark.parametrize("script", ["04", "09"])
 def test_a_copied_script_runs_with_only_common_beside_it(script, tmp_path):
+    """And on a preset it imports only what it needs: not --model's module (nor the tables of
+    every architecture that it imports), nor --compile's."""
     target = copy_with(tmp_path, script)
-    done = run_copy(target, script, *QUICK, "--device", "cpu", "--results-dir", "results")
+    done = run_copy(target, script, *QUICK, "--device", "cpu", "--results-dir", "results",
+                    python=["-X", "importtime"])  # every module imported, on standard error
     assert done.returncode == 0, done.stderr[-3000:]
     assert (target / "results" / f"{script_path(script).stem}.json").is_file()
+    imported = re.findall(r"^import time:.*\| +([\w.]+)$", done.stderr, flags=re.MULTILINE)
+    assert "common.model" in imported  # the check sees common/'s modules
+    assert not {"common.any_model", "common.compiled_memory"} & set(imported)
 
 
 def test_a_copy_without_the_estimator_says_what_estimate_needs(tmp_path):

@@ -11,6 +11,7 @@ import pytest
 
 import common.summary
 from conftest import QUICK, ROOT, load_script, run_script, script_path
+from steps import scripts
 
 
 @pytest.mark.parametrize("where", ["/proc/no-such-dir", "{file}"])
@@ -67,6 +68,24 @@ def test_ctrl_c_in_a_run_says_so_in_one_line(tmp_path):
         " step ")
     assert status == -signal.SIGINT and "Traceback" not in output
     assert "interrupted (Ctrl-C)" in output and not list(tmp_path.glob("*.json"))
+
+
+def test_parsing_a_scripts_command_line_leaves_pythons_hooks_alone(tmp_path):
+    """A copied script's main() may run inside its user's program: Ctrl-C's one line comes from
+    the script's own last lines (run_main), never from a process-wide hook."""
+    from common.cli import parse_args
+    before = sys.excepthook
+    parse_args("", ["--results-dir", str(tmp_path)])
+    assert sys.excepthook is before
+
+
+def test_every_script_runs_its_main_through_the_same_last_lines():
+    """So that Ctrl-C says so in one line in every script, and no diff between two shows it."""
+    ends = {path.name: path.read_text().rstrip().splitlines()[-3:] for path in scripts()}
+    assert set(map(tuple, ends.values())) == {(
+        'if __name__ == "__main__":',
+        "    from common.cli import run_main  # Ctrl-C: one line instead of a traceback",
+        "    run_main(main)")}
 
 
 @pytest.mark.parametrize("flags, marker, said", [

@@ -10,8 +10,8 @@ import torch
 
 from common import hub
 from common.model import create_model
-from common.presets import get_preset
-from common.summary import RECORD_FIELDS
+from common.presets import PRESETS
+from tour.records import RECORD_FIELDS
 from rounding import additions, assert_same_sum
 from conftest import (QUICK, ROOT, load_script, model_state_bytes, requires_cuda, run_script,
                       script_path)
@@ -32,7 +32,7 @@ def test_every_step_runs_and_writes_its_record(name, quick_records, tmp_path):
 
 
 def test_the_record_gives_the_model_state_at_the_peak_per_parameter(quick_records):
-    model = create_model(get_preset("tiny"))
+    model = create_model(PRESETS["tiny"])
     parameters = sum(parameter.numel() for parameter in model.parameters())
     for name, record in quick_records.items():
         model_state = model_state_bytes(record["breakdown_bytes"])
@@ -92,7 +92,7 @@ def batch(size=8, seed=0):
 
 def test_mixed_precision_runs_float16_activations_on_float32_weights(tmp_path):
     script = load_script("02")
-    model = create_model(get_preset("tiny"))
+    model = create_model(PRESETS["tiny"])
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
     scaler = torch.amp.GradScaler("cpu")
     activation_dtypes = set()
@@ -107,7 +107,7 @@ def test_mixed_precision_runs_float16_activations_on_float32_weights(tmp_path):
 
 def test_scaler_skips_the_step_and_lowers_the_scale_on_an_inf_gradient():
     script = load_script("02")
-    model = create_model(get_preset("tiny"))
+    model = create_model(PRESETS["tiny"])
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
     scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
     before = [p.detach().clone() for p in model.parameters()]
@@ -226,7 +226,7 @@ def assert_accumulation_adds_up_to_the_whole_batch(model, inputs, labels, accum_
 @pytest.mark.numerical
 def test_accumulated_gradient_equals_the_whole_batch_gradient():
     torch.manual_seed(0)
-    preset = get_preset("tiny")
+    preset = PRESETS["tiny"]
     model = create_model(preset)
     patches = (preset.image_size // preset.config["patch_size"]) ** 2
     inputs, labels = batch(16)
@@ -245,7 +245,7 @@ def test_the_gradient_check_fails_when_a_micro_batch_is_lost(monkeypatch):
 
     monkeypatch.setattr(common.data, "split_batch", split_losing_the_last)
     torch.manual_seed(0)
-    preset = get_preset("tiny")
+    preset = PRESETS["tiny"]
     with pytest.raises(AssertionError, match="more than rounding can explain"):
         assert_accumulation_adds_up_to_the_whole_batch(create_model(preset), *batch(16), 4,
                                                        tokens=5)
@@ -253,7 +253,7 @@ def test_the_gradient_check_fails_when_a_micro_batch_is_lost(monkeypatch):
 
 def test_accumulation_keeps_the_optimizer_steps_of_one_epoch(tmp_path):
     steps = {name: run_script(name, ["--epochs", "1"], tmp_path)[0]["steps"] for name in ("03", "04")}
-    assert steps["03"] == steps["04"] == 1257 // get_preset("tiny").batch_size
+    assert steps["03"] == steps["04"] == 1257 // PRESETS["tiny"].batch_size
 
 
 def test_sgd_keeps_no_state_and_cosine_ends_at_zero(tmp_path):
@@ -327,7 +327,7 @@ def test_hub_check_answers_quickly_when_nothing_listens(monkeypatch):
 def test_batches_are_pinned_only_for_a_cuda_device():
     """Pinning creates a CUDA context: a --device cpu run on a GPU machine must not pin."""
     from common.data import load_data
-    preset = get_preset("tiny")
+    preset = PRESETS["tiny"]
     assert not load_data(preset, 64, torch.device("cpu")).train.pin_memory
     assert load_data(preset, 64, torch.device("cuda")).train.pin_memory  # built, never iterated
 
@@ -372,9 +372,9 @@ def test_offline_model_not_cached_is_named(monkeypatch):
 
     def not_cached(*args, **kwargs):
         raise OSError("We couldn't connect to 'https://huggingface.co' to load the files")
-    monkeypatch.setattr(model.model_class(get_preset("article")), "from_pretrained", not_cached)
+    monkeypatch.setattr(model.model_class(PRESETS["article"]), "from_pretrained", not_cached)
     with pytest.raises(SystemExit, match="google/vit-large-patch16-224 is not in this machine's"):
-        model.create_model(get_preset("article"))
+        model.create_model(PRESETS["article"])
 
 
 def test_the_meter_tracks_until_two_optimizer_steps_were_taken():
@@ -400,14 +400,14 @@ def test_the_meter_tracks_until_two_optimizer_steps_were_taken():
 def initial_weights(dtype, device):
     torch.manual_seed(0)
     with torch.device(device):
-        return create_model(get_preset("tiny"), dtype=dtype)
+        return create_model(PRESETS["tiny"], dtype=dtype)
 
 
 def test_05_and_06_start_from_the_same_weights():
     """05 builds float32 on the CPU and converts; 06 builds bfloat16 where it trains. The
     weights are drawn on the CPU either way, so they match to the last bit."""
     torch.manual_seed(0)
-    converted = create_model(get_preset("tiny")).to(torch.bfloat16)  # 05
+    converted = create_model(PRESETS["tiny"]).to(torch.bfloat16)  # 05
     created = initial_weights(torch.bfloat16, "cpu")  # 06
     for (name, before), after in zip(converted.named_parameters(), created.parameters()):
         assert after.dtype == torch.bfloat16 and torch.equal(before, after), name
@@ -416,7 +416,7 @@ def test_05_and_06_start_from_the_same_weights():
 @requires_cuda
 def test_05_and_06_start_from_the_same_weights_on_a_gpu():
     torch.manual_seed(0)
-    converted = create_model(get_preset("tiny")).to("cuda", torch.bfloat16)  # 05
+    converted = create_model(PRESETS["tiny"]).to("cuda", torch.bfloat16)  # 05
     created = initial_weights(torch.bfloat16, "cuda")  # 06
     assert all(param.is_cuda for param in created.parameters())
     for before, after in zip(converted.parameters(), created.parameters()):
@@ -425,7 +425,7 @@ def test_05_and_06_start_from_the_same_weights_on_a_gpu():
 
 def test_initial_weights_follow_the_models_own_rules():
     model = initial_weights(torch.float32, "cpu")
-    std = get_preset("tiny").config["initializer_range"]
+    std = PRESETS["tiny"].config["initializer_range"]
     for name, param in model.named_parameters():
         if "norm" in name:
             assert torch.all(param == (1 if name.endswith("weight") else 0)), name

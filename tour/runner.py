@@ -30,10 +30,11 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from common.cli import positive_int, processes_for
+from common.cli import positive_int
 from common.presets import PRESETS, TASKS, for_task
 from steps import STEPS, scripts as registered_scripts, step_id, step_of
 from common.atomic_write import atomic_path, write_json_atomically
+from estimate.table import processes_for
 from tour.records import ESTIMATE_FILE, TOUR_FILE, read_json
 from tour.report import (ESTIMATE_CHART, ESTIMATE_TABLE, REPORT_FILES, TOUR_CHART,
                                  TOUR_TABLE, write_report)

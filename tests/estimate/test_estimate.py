@@ -17,7 +17,7 @@ from estimate.gpu_choices import CUBLAS_WORKSPACE_BYTES, CUBLAS_WORKSPACES
 from estimate.predict import Row, estimate, predict
 from estimate.table import main as estimate_table, run_rows, select_scripts
 from common.model import model_class, model_config
-from common.presets import get_preset
+from common.presets import PRESETS
 from conftest import QUICK, ROOT, TEXT, model_state_bytes, run_script, script_path
 
 NO_EMULATION = ["--device", "cpu"]
@@ -25,7 +25,7 @@ NO_EMULATION = ["--device", "cpu"]
 
 def parameter_sizes(preset_name):
     """The number of elements of each of the preset's model's parameters."""
-    preset = get_preset(preset_name)
+    preset = PRESETS[preset_name]
     with torch.device("meta"):
         model = model_class(preset)._from_config(model_config(preset))
     return [param.numel() for param in model.parameters()]
@@ -175,7 +175,7 @@ def test_a_script_estimate_updates_its_own_record_and_keeps_the_others(tmp_path)
     estimate(str(script_path("01")), flags)
     records = json.loads((tmp_path / "estimate.json").read_text())
     assert sorted((record["script"], record["batch_size"]) for record in records) == [
-        ("01_baseline", get_preset("tiny").batch_size), ("03_bf16", 16)]
+        ("01_baseline", PRESETS["tiny"].batch_size), ("03_bf16", 16)]
     assert not list(tmp_path.glob("*.tmp"))
 
 
@@ -283,7 +283,7 @@ def test_the_gpu_estimate_of_text_gives_every_layer_the_padding_mask(monkeypatch
     monkeypatch.setattr(gpu_choices, "additive_mask",
                         lambda mask, *args: masks.append(mask.shape) or original(mask, *args))
     predict(script_path("01"), TEXT)
-    preset = get_preset("tiny-text")
+    preset = PRESETS["tiny-text"]
     layers, length = preset.config["num_hidden_layers"], preset.max_length
     assert masks == [(preset.batch_size, 1, length, length)] * layers * 2  # two steps' forwards
 
@@ -291,7 +291,7 @@ def test_the_gpu_estimate_of_text_gives_every_layer_the_padding_mask(monkeypatch
 def test_the_imdb_estimate_keeps_blooms_float32_attention_probabilities_per_layer():
     """BLOOM's attention is its own code: on a GPU as here, each layer keeps its softmax's
     float32 probabilities for backward; the weights are bfloat16 in 04."""
-    preset = get_preset("imdb")
+    preset = PRESETS["imdb"]
     record = predict(script_path("04"), ["--preset", "imdb", "--accum-steps", "1"])
     config = model_config(preset)
     with torch.device("meta"):
@@ -365,7 +365,7 @@ def test_a_gpu_without_flash_attention_keeps_bfloat16_attention_on_the_math_path
     memory-efficient kernel on every GPU; float16 (02) flash attention on an A100 and the
     memory-efficient kernel below 8.0, whose float32 log-sum-exp rows are padded to 32 where
     flash keeps one per token."""
-    preset = get_preset("tiny")
+    preset = PRESETS["tiny"]
     batch = 512
     tokens = (preset.image_size // preset.config["patch_size"]) ** 2 + 1
     heads, layers = preset.config["num_attention_heads"], preset.config["num_hidden_layers"]
