@@ -54,13 +54,6 @@ class Step:
         return self.task in (None, task)
 
 
-QLORA_BY_HAND = (
-    "bitsandbytes' 4-bit weights (Params4bit, a tensor subclass built around real data and "
-    "quantized by bitsandbytes' kernels) cannot be made from fake tensors, so the estimate cannot "
-    "run it. By hand: 07a's estimate, less 1.48 bytes per quantized weight (NF4 with its scales "
-    "holds 0.52 bytes where bfloat16 holds 2); docs/branches.md works it out for the presets. Or "
-    "measure it: python 07b_qlora.py --device cpu (or on a GPU)")
-
 ACCUM = ("--accum-steps", "4")
 STEPS = {step.id: step for step in [
     Step("01", None, None, switches=("--precision", "fp32")),
@@ -87,7 +80,7 @@ STEPS = {step.id: step for step in [
     Step("06", "on-device init", "05", accum_steps=4, switches=(*ACCUM, "--optimizer", "sgd")),
     Step("07", "FSDP", "06", sharded=True, accum_steps=4, switches=(*ACCUM, "--optimizer", "sgd")),
     Step("07a", "LoRA", "06", accum_steps=4, removes=("05",), switches=(*ACCUM, "--lora-rank", "8")),
-    Step("07b", "QLoRA", "07a", accum_steps=4, by_hand=QLORA_BY_HAND,
+    Step("07b", "QLoRA", "07a", accum_steps=4,
          switches=(*ACCUM, "--lora-rank", "8", "--qlora")),
     Step("08", "offload", "07", sharded=True, accum_steps=4,
          switches=(*ACCUM, "--optimizer", "sgd", "--offload")),

@@ -44,6 +44,13 @@ REQUIRED_WHEN_OFFLOADING = {
              "is emulated)"),
 }
 
+# required of scripts that keep weights in 4 bits (07b): a fake tensor cannot become a Params4bit
+REQUIRED_WHEN_4BIT = {
+    "Params4bit": ("bitsandbytes.nn", "a plain frozen parameter with Params4bit's attributes"),
+    "Linear4bit": ("bitsandbytes.nn", "bitsandbytes' own layer around that parameter, quantized "
+                   "by bitsandbytes' quantize_4bit on fake tensors (estimate/fake_4bit.py)"),
+}
+
 
 def required_names(module):
     """The contract for this loaded script: {name: (home module, stand-in)}."""
@@ -52,38 +59,13 @@ def required_names(module):
         required.update(REQUIRED_WHEN_DISTRIBUTED)
     if hasattr(module, "HOST"):
         required.update(REQUIRED_WHEN_OFFLOADING)
+    if any(hasattr(module, name) for name in REQUIRED_WHEN_4BIT):
+        required.update(REQUIRED_WHEN_4BIT)
     return required
 
 
-# what a script may import that fake tensors cannot run, and why: the estimate stops and says so
-CANNOT_RUN_ON_FAKE_TENSORS = {
-    "Params4bit": (
-        "bitsandbytes' 4-bit weights (Params4bit, a tensor subclass built around real data and "
-        "quantized by bitsandbytes' kernels) cannot be made from fake tensors, so the estimate "
-        "cannot run it. By hand: 07a's estimate, less 1.48 bytes per quantized weight (NF4 with "
-        "its scales holds 0.52 bytes where bfloat16 holds 2); docs/branches.md works it out for "
-        "the presets. Or measure it: python 07b_qlora.py --device cpu (or on a GPU)"),
-}
-
-
-def cannot_estimate(script_path):
-    """Why the estimate cannot run this script (it imports what fake tensors cannot run), or
-    None; read from its source, without importing it."""
-    import re
-    from pathlib import Path
-    source = Path(script_path).read_text()
-    for name, reason in CANNOT_RUN_ON_FAKE_TENSORS.items():
-        if re.search(rf"^\s*from \S+ import .*\b{name}\b", source, re.MULTILINE):
-            return reason
-    return None
-
-
 def check_contract(module, script_name):
-    """Raise EstimateError naming the first required name the script lacks or replaces, or
-    what it imports that fake tensors cannot run."""
-    for name, reason in CANNOT_RUN_ON_FAKE_TENSORS.items():
-        if hasattr(module, name):
-            raise EstimateError(f"{script_name}: {reason}")
+    """Raise EstimateError naming the first required name the script lacks or replaces."""
     for name, (home, stand_in) in required_names(module).items():
         expected = getattr(importlib.import_module(home), name)
         found = getattr(module, name, None)

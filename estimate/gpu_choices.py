@@ -63,10 +63,11 @@ import torch
 class Gpu:
     name: str
     capability: tuple  # CUDA compute capability: what kernels and dtypes run in hardware
+    multiprocessors: int  # SMs: bitsandbytes' 4-bit matmul picks its kernel by them (fake_4bit.py)
 
 
-GPUS = {"a100": Gpu("A100", (8, 0)), "h100": Gpu("H100", (9, 0)),
-        "v100": Gpu("V100", (7, 0)), "t4": Gpu("T4", (7, 5))}
+GPUS = {"a100": Gpu("A100", (8, 0), 108), "h100": Gpu("H100", (9, 0), 132),  # H100: SXM
+        "v100": Gpu("V100", (7, 0), 80), "t4": Gpu("T4", (7, 5), 40)}
 DEFAULT_GPU = "a100"  # the study's GPU
 chosen = GPUS[DEFAULT_GPU]  # the GPU of the estimate being made (`emulating`)
 

@@ -7,7 +7,6 @@ from concurrent.futures import as_completed
 
 import estimate
 from common.cli import positive_int, unwritable
-from estimate.contract import cannot_estimate
 from estimate.fit import fit_table, parse_size, search_all
 from estimate.gpu_choices import DEFAULT_GPU, GPUS
 from estimate.predict import (GB, PER_PARAMETER, PER_PARAMETER_NOTE, Row, attempt, in_units,
@@ -223,7 +222,7 @@ def main(argv=None):
     scripts = [script for script in scripts if script not in other_task]
     if not scripts:
         raise SystemExit("error: nothing to estimate.\n" + "\n".join(f"  {note}" for note in notes))
-    not_estimated = {script: reason for script in scripts if (reason := cannot_estimate(script))}
+    not_estimated = {script: reason for script in scripts if (reason := step_of(script).by_hand)}
     notes += [f"{script.stem} is not estimated: {reason}" for script, reason in not_estimated.items()]
     scripts = [script for script in scripts if script not in not_estimated]
     rows = [row for script in scripts

@@ -61,8 +61,6 @@ def in_matrix(name, step):
 # what a script refuses for an architecture, and the words of its message
 REFUSED = {("ResNet", "07a"): "no linear layer for LoRA to adapt",
            ("ResNet", "07b"): "no linear layer for LoRA to adapt"}
-# scripts that train on every architecture but that the estimate cannot run, and its words
-NOT_ESTIMATED = {"07b": "4-bit weights .* cannot be made from fake tensors"}
 # what also runs as 2 processes: 07-09 for an encoder and a decoder with grouped-query attention
 # (fewer key and value heads than query heads); 09, which recomputes each block in backward, for
 # every decoder that would otherwise keep a key-value cache. The vision model, ViT, runs 07-09 as
