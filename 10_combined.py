@@ -23,7 +23,8 @@ import torch.distributed as dist
 import torch.nn.functional as F  # chunked loss
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
-from torch.utils.checkpoint import checkpoint, noop_context_fn  # checkpointing on one device
+from torch.utils.checkpoint import checkpoint  # checkpointing on one device
+from torch.utils.checkpoint import noop_context_fn  # what checkpoint keeps, unless selective
 # selective checkpointing: what to do with each operator's output, and the contexts that do it
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 from transformers.pytorch_utils import Conv1D  # LoRA: GPT-2's linear layers, weights transposed
@@ -155,7 +156,7 @@ class CheckpointedBlock(torch.nn.Module):  # checkpointing on one device
         # non-reentrant: the variant PyTorch recommends; it passes keyword arguments through.
         # FSDP shards this wrapper, so its backward hook gathers the weights before the rerun.
         with self.offload:  # activation offloading: checkpoint saves the input under its hooks
-            return checkpoint(self.block, hidden_states, *args, use_reentrant=False,  # selective checkpointing
+            return checkpoint(self.block, hidden_states, *args, use_reentrant=False,
                               context_fn=self.context_fn, **kwargs)  # selective checkpointing
 
     def __getattr__(self, name):  # checkpointing on one device: what the model reads of its blocks
@@ -321,7 +322,7 @@ def train_step(model, optimizer, scaler, inputs, labels, device, args, trained):
         for micro_inputs, micro_labels in micro_batches:
             micro_inputs = to_device(micro_inputs, device, dtype)  # bf16-true: bfloat16 images
             micro_labels = micro_labels.to(device)
-            loss = forward(model, micro_inputs, micro_labels, args, device) / len(micro_batches)  # mean over the batch
+            loss = forward(model, micro_inputs, micro_labels, args, device) / len(micro_batches)
             scale(loss).backward()  # mixed precision
             batch_loss += loss.detach().float()  # the record's loss, summed in float32
     if scaler is not None:
@@ -370,12 +371,13 @@ def train(args, device):
             for adapter in [module for module in model.modules() if isinstance(module, LoRALinear)]:  # QLoRA
                 adapter.base = in_four_bits(adapter.base)  # QLoRA: one layer at a time
         if args.checkpointing != "none":
+            # checkpointing on one device, checkpointing: wrap each block (sharded: then the wrappers)
             blocks = transformer_blocks(model)  # checkpointing on one device: wrap each block in place
             offload = OffloadedInputs(device) if args.checkpointing == "offloaded" else nullcontext()
             keep = keep_saved if args.checkpointing == "selective" else noop_context_fn
             for index, block in enumerate(blocks):
-                if args.compile and args.checkpointing == "offloaded":  # activation offloading: compiled on its own, as the hooks' `with`
-                    block.compile()  # stops the compiler from tracing the blocks from the model down
+                if args.compile and args.checkpointing == "offloaded":  # activation offloading:
+                    block.compile()  # on its own, as the hooks' `with` stops the compiler
                 blocks[index] = CheckpointedBlock(block, offload, keep)  # activation offloading
         if sharded:
             # FSDP: shard each block (it gathers its weights in turn), then the rest as one more unit
@@ -384,13 +386,13 @@ def train(args, device):
                 # offload: shards live in CPU memory between uses (pinned when training on CUDA)
                 shard_options["offload_policy"] = CPUOffloadPolicy(pin_memory=device.type == "cuda")
             for block in transformer_blocks(model):
-                if args.compile and args.checkpointing != "offloaded":  # FSDP: compile each block before sharding it (torchtitan's order):
-                    block.compile()  # FSDP's gathers stay outside compiled code; alike blocks share it
+                if args.compile and args.checkpointing != "offloaded":  # FSDP: compile each block
+                    block.compile()  # before sharding it (torchtitan's order): gathers stay outside
                 # true: ZeRO-3, gathered weights freed after forward; false: kept until backward
                 fully_shard(block, **shard_options, reshard_after_forward=args.reshard_after_forward)
             fully_shard(model, **shard_options)  # embeddings, final norm and head
             fill_shards(model, preset, device)  # FSDP: each process allocates and fills its shards
-    if args.lora_rank and preset.model is None:  # LoRA: a model drawn at random has nothing worth keeping frozen
+    if args.lora_rank and preset.model is None:  # LoRA: a model drawn at random: nothing worth freezing
         print("note: this model is trained from scratch, so LoRA's frozen weights are random: the "
               "run shows LoRA's memory, not its accuracy (use --preset tiny-text)", file=sys.stderr)
     if args.compile and not sharded:  # fused kernels, generated by the first call, then reused
@@ -424,7 +426,7 @@ def train(args, device):
         stepped = [optimizer]
     schedulers = [torch.optim.lr_scheduler.CosineAnnealingLR(each, T_max=total_steps)  # plain SGD
                   for each in stepped] if args.optimizer == "sgd" else []
-    scaler = torch.amp.GradScaler(device.type) if args.precision == "mixed" else None  # mixed precision: loss scaling
+    scaler = torch.amp.GradScaler(device.type) if args.precision == "mixed" else None  # mixed precision
 
     # the peak of the first steps, by what it holds (optimizer in backward: all the optimizers)
     meter = MemoryMeter(device, model, stepped if args.optimizer_in_backward else optimizer)
@@ -523,7 +525,8 @@ def refusal(args):
                 "outside the sharded model's forward that gathers their weights")
     for name in ("lora_alpha", "lora_targets", "qlora"):
         if getattr(args, name) and not args.lora_rank:
-            return f"--{name.replace('_', '-')} without --lora-rank: it shapes the adapters; add --lora-rank R"
+            return (f"--{name.replace('_', '-')} without --lora-rank: it shapes the adapters; "
+                    "add --lora-rank R")
     if args.lora_rank and launched_sharded(args):
         return (f"--lora-rank with {sharded}: the sharded model is filled from the preset's "
                 "model parameter by parameter, and the adapters are not in it")
@@ -534,7 +537,7 @@ def refusal(args):
 
 
 def main(argv=None):
-    args = parse_args(__doc__, argv, accum_steps=1, flags=switches)  # gradient accumulation: 1
+    args = parse_args(__doc__, argv, accum_steps=1, flags=switches)  # --accum-steps 1, the switches
     problem = refusal(args)
     if problem:
         raise SystemExit(f"error: {problem}")
