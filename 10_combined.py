@@ -24,7 +24,6 @@ import torch.nn.functional as F  # chunked loss
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 from torch.utils.checkpoint import checkpoint  # checkpointing on one device
-from torch.utils.checkpoint import noop_context_fn  # what checkpoint keeps, unless selective
 # selective checkpointing: what to do with each operator's output, and the contexts that do it
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 from transformers.pytorch_utils import Conv1D  # LoRA: GPT-2's linear layers, weights transposed
@@ -146,18 +145,20 @@ class OffloadedInputs(torch.autograd.graph.saved_tensors_hooks):  # activation o
 class CheckpointedBlock(torch.nn.Module):  # checkpointing on one device
     """Runs `block` keeping only its input for backward, where the block runs forward again."""
 
-    def __init__(self, block, offload, context_fn):  # activation offloading, selective checkpointing
+    def __init__(self, block, offload, selective):  # activation offloading, selective checkpointing
         super().__init__()
         self.block = block
         self.offload = offload  # activation offloading: the hooks that move the saved input
-        self.context_fn = context_fn  # selective checkpointing: what forward keeps, if anything
+        self.selective = selective  # selective checkpointing: keep what keep_or_recompute says
 
     def forward(self, hidden_states, *args, **kwargs):
         # non-reentrant: the variant PyTorch recommends; it passes keyword arguments through.
         # FSDP shards this wrapper, so its backward hook gathers the weights before the rerun.
         with self.offload:  # activation offloading: checkpoint saves the input under its hooks
-            return checkpoint(self.block, hidden_states, *args, use_reentrant=False,
-                              context_fn=self.context_fn, **kwargs)  # selective checkpointing
+            if self.selective:  # selective checkpointing: keep the outputs keep_or_recompute names
+                return checkpoint(self.block, hidden_states, *args, use_reentrant=False,
+                                  context_fn=keep_saved, **kwargs)  # selective checkpointing
+            return checkpoint(self.block, hidden_states, *args, use_reentrant=False, **kwargs)
 
     def __getattr__(self, name):  # checkpointing on one device: what the model reads of its blocks
         try:  # (ModernBERT each block's attention_type) is read through the wrapper
@@ -374,11 +375,11 @@ def train(args, device):
             # checkpointing on one device, checkpointing: wrap each block (sharded: then the wrappers)
             blocks = transformer_blocks(model)  # checkpointing on one device: wrap each block in place
             offload = OffloadedInputs(device) if args.checkpointing == "offloaded" else nullcontext()
-            keep = keep_saved if args.checkpointing == "selective" else noop_context_fn
+            selective = args.checkpointing == "selective"  # selective checkpointing
             for index, block in enumerate(blocks):
                 if args.compile and args.checkpointing == "offloaded":  # activation offloading:
                     block.compile()  # on its own, as the hooks' `with` stops the compiler
-                blocks[index] = CheckpointedBlock(block, offload, keep)  # activation offloading
+                blocks[index] = CheckpointedBlock(block, offload, selective)  # activation offloading
         if sharded:
             # FSDP: shard each block (it gathers its weights in turn), then the rest as one more unit
             shard_options = dict(mesh=init_device_mesh(device.type, (world_size,)))  # all processes
@@ -508,6 +509,13 @@ def refusal(args):
     if args.stochastic_rounding and args.optimizer != "adam":
         return (f"--stochastic-rounding with --optimizer {args.optimizer}: it is Adam's update, "
                 "rounded at random; use --optimizer adam")
+    if args.stochastic_rounding and launched_sharded(args):
+        return (f"--stochastic-rounding with {sharded}: its float32 work views each weight "
+                "whole, and a sharded weight is a DTensor of shards; use --optimizer adam")
+    if args.optimizer in ("adamw-8bit", "adafactor") and launched_sharded(args):
+        return (f"--optimizer {args.optimizer} with {sharded}: its step has no rule for "
+                "sharded weights (DTensor): bitsandbytes' kernels, Adafactor's in-place row and "
+                "column statistics; use --optimizer adam or sgd")
     if args.optimizer_on_host and args.offload:
         return ("--optimizer-on-host with --offload: both keep the optimizer's state and step "
                 "in host memory; --offload also keeps the weights there: use one of them")
