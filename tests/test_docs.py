@@ -15,7 +15,7 @@ import pytest
 from common.cli import parse_args
 from conftest import ROOT
 from estimate.table import parse_table_args
-from steps import STEPS, step_id
+from steps import STEPS, import_script, step_id
 from tour import runner as tour
 
 DOCUMENTS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -71,8 +71,9 @@ def problem_with(command):
                     flags += ["--device", "cpu"]  # the quoted command may be meant for a GPU
                 flags = [word if word != "cuda" else "cpu" for word in flags]
                 parse_args("", [*flags, "--results-dir", "/tmp/docs-check"],
-                           accum_steps=step.accum_steps if step.accum_steps > 1 else None,
-                           sharded=step.sharded)
+                           accum_steps=step.accum_steps if step.accum_steps > 1 or step.combined else None,
+                           sharded=step.sharded,  # the combined script declares its switches
+                           flags=import_script(step.path).switches if step.combined else None)
         else:
             return f"not a program this check knows: {words[:2]}"
     except SystemExit as stop:
