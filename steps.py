@@ -24,7 +24,8 @@ class Step:
     sharded: bool = False   # one process per device under torchrun (a group of one alone)
     accum_steps: int = 1    # its --accum-steps default (1: it takes no micro-batches)
     task: str | None = None  # the only task it trains (05g: "causal-lm"); None: any (--task)
-    switches: tuple = ()    # the combined script's flags that train as this script does
+    switches: tuple = ()    # the combined script's flags that train as this script does (for
+    #                         a sharded step, under torchrun, or alone with WORLD_SIZE=1 set)
     restores: str | None = None  # a step whose lines it gives back (03 gives 01's back)
     removes: tuple = ()     # earlier steps whose technique it takes out on purpose
     synchronizes: bool = False  # its optimizer waits for the GPU once per parameter
@@ -86,6 +87,8 @@ STEPS = {step.id: step for step in [
          switches=(*ACCUM, "--optimizer", "sgd", "--offload")),
     Step("09", "checkpointing", "08", sharded=True, accum_steps=4,
          switches=(*ACCUM, "--optimizer", "sgd", "--offload", "--checkpointing", "full")),
+    # every technique behind a switch; it shards under torchrun (07's switches) or with --offload
+    Step("10", None, None, combined=True),
 ]}
 
 
@@ -104,8 +107,9 @@ def step_of(name):
 
 
 def scripts():
-    """Every step's and branch's file, in the tour's order (a branch beside its step)."""
-    return sorted(step.path for step in STEPS.values())
+    """Every step's and branch's file, in the tour's order (a branch beside its step); not the
+    combined script, which is each of them by its switches."""
+    return sorted(step.path for step in STEPS.values() if not step.combined)
 
 
 class UnknownStep(ValueError):
@@ -115,8 +119,8 @@ class UnknownStep(ValueError):
 def select(names, task=None):
     """The steps that `names` pick, in tour order: "3", "03", "03_bf16", "03_bf16.py" or a path
     pick step 03; a bare number also picks its step's branches (05: 05 and 05a-05g); no names
-    pick every step. With `task`, steps that do not train it are left out. Raises UnknownStep
-    naming the scripts there are."""
+    pick every step and branch (the combined script only when named). With `task`, steps that
+    do not train it are left out. Raises UnknownStep naming the scripts there are."""
     every = sorted(STEPS.values(), key=lambda step: step.id)
     chosen = set()
     for name in names or ():
@@ -129,7 +133,7 @@ def select(names, task=None):
             raise UnknownStep(f"no script {name!r}; the scripts are: "
                               + " ".join(step.id for step in every))
         chosen.update(matches)
-    picked = [step for step in every if not names or step in chosen]
+    picked = [step for step in every if step in chosen or not names and not step.combined]
     return [step for step in picked if task is None or step.trains(task)]
 
 

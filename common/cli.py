@@ -70,12 +70,13 @@ def run_main(main):
 
 
 def parse_args(description, argv=None, accum_steps=None, sharded=False, no_accumulation=None,
-               lora=False, task=None):
+               lora=False, task=None, flags=None):
     """Parse the shared flags; `accum_steps` (from step 04 on) adds --accum-steps with that
     default, `sharded` (07 on) --reshard-after-forward, `lora` (07a) --lora-rank, --lora-alpha
     and --lora-targets; `no_accumulation`, the reason a script refuses --accum-steps (04a),
     turns that flag into an error saying so; `task`, the only task a script trains (05g:
-    causal-lm), is --task's default, and any other is refused.
+    causal-lm), is --task's default, and any other is refused; `flags`, a function given the
+    parser, declares a script's own flags (10_combined.py's switches).
 
     The preset the run trains (with --model's model in place of its own, when given) is
     resolved here once and travels on `args` (`preset_for(args)` returns it).
@@ -138,6 +139,8 @@ def parse_args(description, argv=None, accum_steps=None, sharded=False, no_accum
         parser.add_argument("--lora-targets", nargs="+", metavar="NAME",
                             help="adapt only the linear layers of these names (query value; "
                                  "q_proj v_proj); default: every linear layer of the blocks")
+    if flags is not None:
+        flags(parser)
     args = parser.parse_args(argv)
 
     if args.estimate and importlib.util.find_spec("estimate") is None:

@@ -1,0 +1,573 @@
+"""10 combined: every technique of the steps and branches behind a switch, each off by default.
+
+The script to copy for a model that does not fit. With no switch it is the plain bfloat16 run
+(03: bfloat16 weights, Adam, whole batches) with the model created on its device (06). Each
+switch adds one script's technique, copied from it under its tag, and any of them may be stacked;
+a pair that cannot work together stops before training, saying why. Under torchrun, or with
+--offload, the model is sharded as in 07-09. steps.py lists the switches that equal each script.
+
+  python %(prog)s                                   # 03's run, created on the device (06)
+  python %(prog)s --accum-steps 4 --optimizer adamw-8bit --checkpointing selective  # 04+05a+05d
+  python %(prog)s --task causal-lm --loss chunked --optimizer-in-backward --optimizer-on-host
+  python %(prog)s --preset tiny-text --lora-rank 8 --qlora --accum-steps 4     # 07b
+  torchrun --nproc_per_node=2 %(prog)s --accum-steps 4 --checkpointing full   # 07 with 09's
+  python %(prog)s --offload --checkpointing full --estimate   # 09 as a group of one, predicted
+"""
+import math
+import os
+import sys
+from contextlib import nullcontext
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F  # chunked loss
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+from torch.utils.checkpoint import checkpoint  # checkpointing on one device
+# selective checkpointing: what to do with each operator's output, and the contexts that do it
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+from transformers.pytorch_utils import Conv1D  # LoRA: GPT-2's linear layers, weights transposed
+
+# --estimate runs main() on fake tensors with stand-ins for these names (no data, no download):
+# keep importing them by name. The list and the reasons: estimate/contract.py.
+from common.cli import check_batch_split, parse_args, positive_float, positive_int, true_or_false
+from common.data import IGNORED, load_data, split_batch, to_device  # chunked loss: IGNORED
+from common.distributed import end_distributed, init_distributed
+from common.evaluate import evaluate
+from common.memory import MemoryMeter, measure_creation
+from common.model import classification_head, create_model, fill_shards, transformer_blocks
+from common.presets import preset_for
+from common.progress import Progress
+from common.summary import report
+
+PRECISIONS = {"fp32": torch.float32, "mixed": torch.float32, "bf16": torch.bfloat16}  # 01, 02, 03
+HOST = torch.device("cpu")  # Adam on the host, activation offloading: host memory (the estimate moves it)
+
+
+def stochastic_round(values):  # stochastic rounding: float32 to bfloat16, up or down at random
+    """`values` (float32) rounded to one of their two bfloat16 neighbours, the nearer more often,
+    still as float32 (so that copying them into a bfloat16 tensor is exact): adding random low 16
+    bits, then cutting them off, carries into the kept bits with probability
+    (x - lower) / (upper - lower)."""
+    bits = values.view(torch.int32)
+    noise = torch.randint_like(bits, 0, 1 << 16)
+    rounded = ((bits + noise) & -(1 << 16)).view(torch.float32)
+    return torch.where(values.isnan(), values, rounded)  # a NaN's carry could make it 0 or inf
+
+
+class AdamStochasticRounding(torch.optim.Optimizer):  # stochastic rounding
+    """torch.optim.Adam's update (no weight decay) for bfloat16 weights and states, computed in
+    float32 a chunk at a time and written back with stochastic_round."""
+
+    def __init__(self, params, lr, betas=(0.9, 0.999), eps=1e-8, chunk=2**20):
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, chunk=chunk))
+        for param in (param for group in self.param_groups for param in group["params"]):
+            if param.dtype != torch.bfloat16:  # float32 work on a float32 weight would alias it
+                raise TypeError(f"AdamStochasticRounding updates bfloat16 weights, not {param.dtype}")
+
+    @torch.no_grad()
+    def step(self):
+        for group in self.param_groups:
+            (beta1, beta2), lr, eps = group["betas"], group["lr"], group["eps"]
+            for param in (param for param in group["params"] if param.grad is not None):
+                state = self.state[param]
+                if not state:  # bfloat16 states, as 03's Adam keeps them
+                    state.update(step=0, exp_avg=torch.zeros_like(param),
+                                 exp_avg_sq=torch.zeros_like(param))
+                state["step"] += 1
+                bias1, bias2 = 1 - beta1 ** state["step"], 1 - beta2 ** state["step"]
+                chunks = (tensor.view(-1).split(group["chunk"]) for tensor in
+                          (param, param.grad, state["exp_avg"], state["exp_avg_sq"]))
+                for weight, grad, exp_avg, exp_avg_sq in zip(*chunks):  # float32 work, one chunk
+                    grad = grad.float()
+                    mean = exp_avg.float().lerp_(grad, 1 - beta1)
+                    square = exp_avg_sq.float().mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+                    exp_avg.copy_(stochastic_round(mean))
+                    exp_avg_sq.copy_(stochastic_round(square))
+                    denominator = square.div_(bias2).sqrt_().add_(eps)
+                    updated = weight.float().addcdiv_(mean, denominator, value=-lr / bias1)
+                    weight.copy_(stochastic_round(updated))
+
+
+ATEN = torch.ops.aten  # selective checkpointing: the operators whose outputs forward keeps
+SAVED = [ATEN.mm.default, ATEN.addmm.default, ATEN.bmm.default,  # selective checkpointing
+         ATEN.baddbmm.default, ATEN.convolution.default,  # selective checkpointing
+         ATEN._scaled_dot_product_flash_attention_for_cpu.default,  # selective checkpointing
+         ATEN._scaled_dot_product_flash_attention.default,  # selective checkpointing
+         ATEN._scaled_dot_product_efficient_attention.default,  # selective checkpointing
+         ATEN._scaled_dot_product_cudnn_attention.default]  # selective checkpointing
+
+
+def keep_or_recompute(context, op, *args, **kwargs):  # selective checkpointing: per operator
+    """Keep the output of a SAVED operator, unless it draws random numbers (a GPU's attention
+    with dropout): backward replays the random draws of what it recomputes, in order, and a
+    draw skipped there would give the dropout after it another mask than forward's."""
+    arguments = dict(zip((argument.name for argument in op._schema.arguments), args)) | kwargs
+    if op in SAVED and not arguments.get("dropout_p"):
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def keep_saved():  # selective checkpointing: a fresh pair of contexts for each checkpointed call
+    return create_selective_checkpoint_contexts(keep_or_recompute)
+
+
+class OffloadedInputs(torch.autograd.graph.saved_tensors_hooks):  # activation offloading
+    """While inside, a tensor saved for backward that requires a gradient (the input a
+    checkpointed block keeps) is copied to host memory, and its device copy left to be freed;
+    backward copies it back. Masks and position tables (no gradient) stay where they are."""
+
+    def __init__(self, device):
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None  # copies out
+        super().__init__(self.to_host, self.to_device)
+
+    def to_host(self, tensor):
+        if not tensor.requires_grad:
+            return tensor
+        if self.stream is None:  # a CPU: copied all the same, so the estimate sees it move
+            return tensor.device, tensor.to(HOST, copy=True)
+        self.stream.wait_stream(torch.cuda.current_stream())  # once the tensor is computed
+        with torch.cuda.stream(self.stream):  # overlaps the compute stream's next kernels
+            host = torch.empty(tensor.shape, dtype=tensor.dtype, device=HOST, pin_memory=True)
+            host.copy_(tensor, non_blocking=True)
+        tensor.record_stream(self.stream)  # its memory is reused only after the copy is done
+        return tensor.device, host
+
+    def to_device(self, packed):
+        if torch.is_tensor(packed):
+            return packed
+        device, host = packed
+        if self.stream is not None:
+            torch.cuda.current_stream().wait_stream(self.stream)  # the copy out is complete
+        return host.to(device, non_blocking=True)
+
+
+class CheckpointedBlock(torch.nn.Module):  # checkpointing on one device
+    """Runs `block` keeping only its input for backward, where the block runs forward again."""
+
+    def __init__(self, block, offload, selective):  # activation offloading, selective checkpointing
+        super().__init__()
+        self.block = block
+        self.offload = offload  # activation offloading: the hooks that move the saved input
+        self.selective = selective  # selective checkpointing: keep what keep_or_recompute says
+
+    def forward(self, hidden_states, *args, **kwargs):
+        # non-reentrant: the variant PyTorch recommends; it passes keyword arguments through.
+        # FSDP shards this wrapper, so its backward hook gathers the weights before the rerun.
+        with self.offload:  # activation offloading: checkpoint saves the input under its hooks
+            if self.selective:  # selective checkpointing: keep the outputs keep_or_recompute names
+                return checkpoint(self.block, hidden_states, *args, use_reentrant=False,
+                                  context_fn=keep_saved, **kwargs)  # selective checkpointing
+            return checkpoint(self.block, hidden_states, *args, use_reentrant=False, **kwargs)
+
+    def __getattr__(self, name):  # checkpointing on one device: what the model reads of its blocks
+        try:  # (ModernBERT each block's attention_type) is read through the wrapper
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self.block, name)
+
+
+LOSS_CHUNKS = 8  # chunked loss: pieces of the sequence whose logits exist one at a time
+# chunked loss: what some decoders do after their output layer (Gemma 2 caps the logits, Cohere
+# and Granite scale them, mixture-of-experts models add a router loss), which chunked_loss does not
+AFTER_THE_OUTPUT_LAYER = ("final_logit_softcapping", "logit_scale", "logits_scaling",
+                          "output_router_logits")
+
+
+def piece_loss(head, hidden, targets):  # chunked loss
+    """The summed next-token loss of one piece: its logits, upcast as the model's loss does."""
+    logits = head(hidden).float()
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORED,
+                           reduction="sum")
+
+
+def chunked_loss(model, inputs, labels):  # chunked loss
+    """model(**inputs, labels=labels).loss, with the output layer and the loss run piece by
+    piece, each piece recomputed in backward (checkpoint) rather than kept."""
+    hidden = model.base_model(**inputs).last_hidden_state  # the blocks' output, before the head
+    targets = F.pad(labels[:, 1:], (0, 1), value=IGNORED)  # position t predicts token t + 1
+    loss = 0.0
+    for piece, piece_targets in zip(hidden.tensor_split(LOSS_CHUNKS, dim=1),
+                                    targets.tensor_split(LOSS_CHUNKS, dim=1)):
+        loss = loss + checkpoint(piece_loss, model.get_output_embeddings(), piece, piece_targets,
+                                 use_reentrant=False)
+    return loss / (targets != IGNORED).sum()  # the mean over every predicted token
+
+
+class LoRALinear(torch.nn.Module):  # LoRA
+    """`base` (a linear layer, frozen) plus a trainable low-rank update: base(x) + s * B(A(x))."""
+
+    def __init__(self, base, rank, alpha):
+        super().__init__()
+        inputs, outputs = base.weight.shape if isinstance(base, Conv1D) else base.weight.shape[::-1]
+        self.base, self.scale = base, alpha / rank
+        dtype = base.weight.dtype  # LoRA: the adapters in the weights' precision (--precision)
+        self.down = torch.nn.Linear(inputs, rank, bias=False, dtype=dtype)  # A: random
+        self.up = torch.nn.Linear(rank, outputs, bias=False, dtype=dtype)  # B: zero at first
+        torch.nn.init.kaiming_uniform_(self.down.weight, a=math.sqrt(5))
+        torch.nn.init.zeros_(self.up.weight)
+
+    def forward(self, x):
+        return self.base(x) + self.scale * self.up(self.down(x))
+
+
+def add_adapters(model, rank, alpha, targets=None):  # LoRA
+    """Freeze `model`, put an adapter on each linear layer of its blocks (those named in
+    `targets`, if given) and train the adapters and the classification head; returns the names."""
+    model.requires_grad_(False)
+    adapted = []
+    for block in transformer_blocks(model):
+        for name, module in list(block.named_modules()):
+            parent, _, attribute = name.rpartition(".")
+            if isinstance(module, (torch.nn.Linear, Conv1D)) and attribute in (targets or [attribute]):
+                setattr(block.get_submodule(parent), attribute, LoRALinear(module, rank, alpha))
+                adapted.append(attribute)
+    if not adapted:
+        raise SystemExit(f"error: no linear layer in the model's blocks is named {' or '.join(targets)}"
+                         if targets else "error: the model's blocks have no linear layer for LoRA to "
+                         "adapt (a convolutional network's have none): train it without --lora-rank")
+    classification_head(model).requires_grad_(True)  # LoRA: the new head is trained in full
+    return sorted(set(adapted))
+
+
+def in_four_bits(layer):  # QLoRA
+    """The frozen linear `layer` (or GPT-2's Conv1D) as a Linear4bit: its weight quantized to
+    NF4 as it is moved onto its device, its products computed in the weight's precision."""
+    try:  # QLoRA: 4-bit layers from bitsandbytes (requirements.txt pins it)
+        from bitsandbytes.nn import Linear4bit, Params4bit
+    except ImportError as error:  # QLoRA
+        raise SystemExit(f"error: --qlora needs bitsandbytes' Linear4bit ({error}). Install it with "
+                         "pip install bitsandbytes==0.50.2 (as requirements.txt pins), or leave "
+                         "--qlora out.")
+    weight = layer.weight.T if isinstance(layer, Conv1D) else layer.weight  # outputs x inputs
+    four_bit = Linear4bit(weight.shape[1], weight.shape[0], bias=layer.bias is not None,
+                          compute_dtype=weight.dtype, quant_type="nf4", device="meta")
+    four_bit.weight = Params4bit(weight.contiguous(), requires_grad=False, quant_type="nf4",
+                                 blocksize=64, compress_statistics=True, module=four_bit)
+    four_bit.bias = layer.bias  # frozen, in bfloat16
+    # on CPUs with AVX512-BF16, bitsandbytes repacks the weight for inference at the first
+    # evaluation, for good: a layout its training path cannot read (and small layers cannot take)
+    four_bit.support_avx512bf16_for_cpu = False
+    return four_bit.to(weight.device)  # quantized here; the bfloat16 weight is freed with `layer`
+
+
+def learning_rate(args, preset):
+    """--lr, or the rate of the script whose optimizer (and adapters) the switches choose."""
+    if args.lr:
+        return args.lr
+    if args.optimizer == "sgd":
+        return preset.sgd_lr  # plain SGD
+    if args.optimizer == "adafactor":
+        return 0.01  # Adafactor: relative
+    if args.qlora:
+        return preset.qlora_lr  # QLoRA, LoRA: a lower rate
+    return preset.lora_lr if args.lora_rank else preset.lr  # LoRA: Adam, adapters only
+
+
+def make_optimizer(weights, args, preset):
+    """The optimizer --optimizer (and --stochastic-rounding) names, over `weights`."""
+    lr = learning_rate(args, preset)
+    if args.optimizer == "sgd":
+        return torch.optim.SGD(weights, lr=lr)  # plain SGD
+    if args.optimizer == "adafactor":
+        return torch.optim.Adafactor(weights, lr=lr)  # Adafactor: relative
+    if args.optimizer == "adamw-8bit":
+        try:  # 8-bit AdamW: from bitsandbytes (requirements.txt pins it)
+            from bitsandbytes.optim import AdamW8bit
+        except ImportError as error:
+            raise SystemExit(f"error: --optimizer adamw-8bit needs bitsandbytes' AdamW8bit ({error}). "
+                             "Install it with pip install bitsandbytes==0.50.2 (as requirements.txt "
+                             "pins), or choose another --optimizer.")
+        return AdamW8bit(weights, lr=lr, weight_decay=0.0)  # 8-bit AdamW
+    if args.stochastic_rounding:
+        return AdamStochasticRounding(weights, lr=lr)  # stochastic rounding
+    return torch.optim.Adam(weights, lr=lr)
+
+
+def step_on_host(optimizer, weights):  # Adam on the host: gradients out, the step, weights back
+    host_weights = optimizer.param_groups[0]["params"]  # Adam on the host
+    for weight, host_weight in zip(weights, host_weights):  # Adam on the host
+        if weight.grad is not None:  # Adam on the host: the gradient goes out (none: no step)
+            host_weight.grad = weight.grad.to(HOST)
+        weight.grad = None  # Adam on the host: and is freed on the device
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    for weight, host_weight in zip(weights, host_weights):  # Adam on the host
+        weight.detach().copy_(host_weight)  # Adam on the host: the updated weight comes back
+
+
+def forward(model, inputs, labels, args, device):
+    """The loss of one (micro-)batch: the model's own, or the chunked one."""
+    with torch.autocast(device_type=device.type, dtype=torch.float16,  # mixed precision
+                        enabled=args.precision == "mixed"):
+        if args.loss == "chunked":
+            return chunked_loss(model, inputs, labels)  # chunked loss
+        return model(**inputs, labels=labels).loss  # its own loss: over classes, or next tokens
+
+
+def train_step(model, optimizer, scaler, inputs, labels, device, args, trained):
+    """One optimizer step on one batch; returns the loss. `optimizer` is None when each weight
+    is stepped during backward; `scaler` is None unless --precision mixed."""
+    dtype = PRECISIONS[args.precision]
+    scale = (lambda loss: loss) if scaler is None else scaler.scale  # mixed precision
+    if args.accum_steps == 1:  # the whole batch at once
+        inputs, labels = to_device(inputs, device, dtype), labels.to(device)  # bf16-true: bfloat16 images
+        loss = forward(model, inputs, labels, args, device)
+        scale(loss).backward()  # mixed precision: scaled up, float16 gradients would underflow
+        batch_loss = loss.detach()
+    else:
+        # gradient accumulation: equal micro-batches, one at a time; their gradients add up in .grad
+        micro_size = len(labels) // args.accum_steps
+        micro_batches = split_batch(inputs, labels, micro_size)
+        batch_loss = 0.0
+        for micro_inputs, micro_labels in micro_batches:
+            micro_inputs = to_device(micro_inputs, device, dtype)  # bf16-true: bfloat16 images
+            micro_labels = micro_labels.to(device)
+            loss = forward(model, micro_inputs, micro_labels, args, device) / len(micro_batches)
+            scale(loss).backward()  # mixed precision
+            batch_loss += loss.detach().float()  # the record's loss, summed in float32
+    if scaler is not None:
+        scaler.unscale_(optimizer)  # mixed precision: true gradients from here on (clip here)
+        scaler.step(optimizer)  # mixed precision: skipped if a gradient is inf or NaN
+        scaler.update()  # mixed precision: lower the scale after a skip, raise it after many good steps
+        optimizer.zero_grad(set_to_none=True)
+    elif args.optimizer_on_host and optimizer is not None:
+        step_on_host(optimizer, trained)  # Adam on the host
+    elif optimizer is not None:  # optimizer in backward: None, every weight stepped already
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    if dist.is_initialized():
+        dist.all_reduce(batch_loss)  # FSDP: the mean loss over all processes, for the record
+        batch_loss /= dist.get_world_size()
+    return batch_loss
+
+
+def train(args, device):
+    preset = preset_for(args)  # the preset, with --model's classifier if one is named
+    torch.manual_seed(args.seed)
+    dtype = PRECISIONS[args.precision]
+
+    sharded = dist.is_initialized()  # FSDP: under torchrun, or with --offload
+    rank, world_size = (dist.get_rank(), dist.get_world_size()) if sharded else (0, 1)
+    data = load_data(preset, args.batch_size, device, seed=args.seed,
+                     rank=rank, world_size=world_size)
+    total_steps = args.epochs * len(data.train)  # optimizer steps; the last partial batch is dropped
+    if args.max_steps:
+        total_steps = min(total_steps, args.max_steps)
+
+    with measure_creation(device) as creation:
+        # on-device init: tensors made in here go to the device (FSDP: shapes only, on meta)
+        with torch.device("meta" if sharded else device):
+            model = create_model(preset, dtype=dtype)  # on-device init: in its dtype from the start
+            if args.lora_rank:
+                add_adapters(model, args.lora_rank, args.lora_alpha, args.lora_targets)  # LoRA
+        if args.loss == "chunked":
+            changed = [name for name in AFTER_THE_OUTPUT_LAYER  # chunked loss: only the plain head
+                       if getattr(model.config, name, None) not in (None, False, 1, 1.0)]
+            if changed:  # chunked loss
+                raise SystemExit(f"error: this model's config sets {', '.join(changed)}: its loss is more "
+                                 "than cross-entropy over its output layer, which the chunked loss "
+                                 "computes. Train it with --loss model")
+        if args.qlora:
+            for adapter in [module for module in model.modules() if isinstance(module, LoRALinear)]:  # QLoRA
+                adapter.base = in_four_bits(adapter.base)  # QLoRA: one layer at a time
+        if args.checkpointing != "none":
+            # checkpointing on one device, checkpointing: wrap each block (sharded: then the wrappers)
+            blocks = transformer_blocks(model)  # checkpointing on one device: wrap each block in place
+            offload = OffloadedInputs(device) if args.checkpointing == "offloaded" else nullcontext()
+            selective = args.checkpointing == "selective"  # selective checkpointing
+            for index, block in enumerate(blocks):
+                if args.compile and args.checkpointing == "offloaded":  # activation offloading:
+                    block.compile()  # on its own, as the hooks' `with` stops the compiler
+                blocks[index] = CheckpointedBlock(block, offload, selective)  # activation offloading
+        if sharded:
+            # FSDP: shard each block (it gathers its weights in turn), then the rest as one more unit
+            shard_options = dict(mesh=init_device_mesh(device.type, (world_size,)))  # all processes
+            if args.offload:
+                # offload: shards live in CPU memory between uses (pinned when training on CUDA)
+                shard_options["offload_policy"] = CPUOffloadPolicy(pin_memory=device.type == "cuda")
+            for block in transformer_blocks(model):
+                if args.compile and args.checkpointing != "offloaded":  # FSDP: compile each block
+                    block.compile()  # before sharding it (torchtitan's order): gathers stay outside
+                # true: ZeRO-3, gathered weights freed after forward; false: kept until backward
+                fully_shard(block, **shard_options, reshard_after_forward=args.reshard_after_forward)
+            fully_shard(model, **shard_options)  # embeddings, final norm and head
+            fill_shards(model, preset, device)  # FSDP: each process allocates and fills its shards
+    if args.lora_rank and preset.model is None:  # LoRA: a model drawn at random: nothing worth freezing
+        print("note: this model is trained from scratch, so LoRA's frozen weights are random: the "
+              "run shows LoRA's memory, not its accuracy (use --preset tiny-text)", file=sys.stderr)
+    if args.compile and not sharded:  # fused kernels, generated by the first call, then reused
+        if args.loss == "chunked":
+            model.base_model.compile()  # chunked loss: the blocks (the loss runs outside forward)
+        else:
+            model.compile()  # in place: the same module, parameters and state_dict names
+
+    trained = [parameter for parameter in model.parameters() if parameter.requires_grad]  # LoRA
+    weights = trained
+    if args.optimizer_on_host:
+        # Adam on the host: a host copy of each weight, which Adam updates, its state beside it
+        weights = [weight.detach().to(HOST, copy=True) for weight in trained]
+    if args.optimizer_in_backward:
+        # optimizer in backward: one Adam per weight, stepped by a hook once its gradient is complete
+        optimizers = {param: make_optimizer([weight], args, preset)
+                      for param, weight in zip(trained, weights)}
+
+        def step_and_free(param):  # optimizer in backward: update this weight now, free its gradient
+            if args.optimizer_on_host:
+                step_on_host(optimizers[param], [param])  # Adam on the host
+                return
+            optimizers[param].step()
+            optimizers[param].zero_grad(set_to_none=True)
+
+        for param in trained:  # optimizer in backward
+            param.register_post_accumulate_grad_hook(step_and_free)
+        optimizer, stepped = None, list(optimizers.values())
+    else:
+        optimizer = make_optimizer(weights, args, preset)
+        stepped = [optimizer]
+    schedulers = [torch.optim.lr_scheduler.CosineAnnealingLR(each, T_max=total_steps)  # plain SGD
+                  for each in stepped] if args.optimizer == "sgd" else []
+    scaler = torch.amp.GradScaler(device.type) if args.precision == "mixed" else None  # mixed precision
+
+    # the peak of the first steps, by what it holds (optimizer in backward: all the optimizers)
+    meter = MemoryMeter(device, model, stepped if args.optimizer_in_backward else optimizer)
+    progress = Progress(total_steps)  # progress lines, the losses and the training clock
+    model.train()
+    for epoch in range(args.epochs):
+        for inputs, labels in data.train:
+            with meter.step():
+                loss = train_step(model, optimizer, scaler, inputs, labels, device, args, trained)
+            for scheduler in schedulers:
+                scheduler.step()  # plain SGD: the cosine moves once per optimizer step
+            progress.step(epoch, loss)
+            if progress.steps == total_steps:
+                break
+        progress.epoch(epoch, args.epochs, evaluate(model, data.val, device, dtype))  # bf16-true
+        if progress.steps == total_steps:
+            break
+    test_score = evaluate(model, data.test, device, dtype)  # bf16-true: bfloat16 inputs
+    return report(args, __file__, creation, meter, progress, test_score)
+
+
+def switches(parser):
+    """The switches of 10, each off by default (the run is then 03's, created as 06 creates it)."""
+    parser.add_argument("--precision", choices=PRECISIONS, default="bf16",
+                        help="fp32 (01), mixed: float16 autocast and a loss scaler (02), "
+                             "bf16: the whole model in bfloat16 (03, default)")
+    parser.add_argument("--stochastic-rounding", action="store_true",
+                        help="Adam's step rounded into bfloat16 at random (04b)")
+    parser.add_argument("--optimizer", choices=["adam", "adamw-8bit", "adafactor", "sgd"],
+                        default="adam", help="adam (default), adamw-8bit (05a), adafactor (05b), "
+                                             "sgd: plain SGD with cosine decay (05)")
+    parser.add_argument("--optimizer-on-host", action="store_true",
+                        help="the optimizer's state and step in host memory (05f)")
+    parser.add_argument("--optimizer-in-backward", action="store_true",
+                        help="each weight stepped as soon as its gradient is complete (04a)")
+    parser.add_argument("--checkpointing", choices=["none", "full", "selective", "offloaded"],
+                        default="none", help="recompute each block in backward: full (05c; 09 "
+                        "when sharded), selective (05d), offloaded: inputs in host memory (05e)")
+    parser.add_argument("--loss", choices=["model", "chunked"], default="model",
+                        help="model: the model's own (default); chunked: the output layer and "
+                             "loss a piece of the sequence at a time (05g, --task causal-lm)")
+    parser.add_argument("--lora-rank", type=positive_int,
+                        help="train low-rank adapters of this rank on frozen weights (07a)")
+    parser.add_argument("--lora-alpha", type=positive_float,
+                        help="with --lora-rank: the adapters' scale is alpha / r (default: 16)")
+    parser.add_argument("--lora-targets", nargs="+", metavar="NAME",
+                        help="with --lora-rank: adapt only the linear layers of these names")
+    parser.add_argument("--qlora", action="store_true",
+                        help="with --lora-rank: the adapted layers' frozen weights in 4 bits (07b)")
+    parser.add_argument("--offload", action="store_true",
+                        help="FSDP with parameters, gradients and optimizer state in host "
+                             "memory (08); alone, a group of one process")
+    parser.add_argument("--reshard-after-forward", type=true_or_false, metavar="{true,false}",
+                        help="when sharded: true (default, ZeRO-3) frees each block's gathered "
+                             "weights after forward; false (ZeRO-2's memory) keeps them (07)")
+
+
+def launched_sharded(args):
+    """Whether the run shards the model (07-09): under torchrun (or with WORLD_SIZE set for the
+    estimate), or with --offload, which runs alone as a group of one."""
+    return args.offload or "WORLD_SIZE" in os.environ
+
+
+def refusal(args):
+    """Why the switches given cannot train together (naming both, and why), or None."""
+    sharded = "--offload" if args.offload else "sharding (torchrun)"
+    if args.optimizer_in_backward and args.accum_steps > 1:
+        return ("--optimizer-in-backward with --accum-steps: each weight is stepped during "
+                "backward, so gradients cannot add up over micro-batches; use one of them")
+    if args.optimizer_in_backward and args.precision == "mixed":
+        return ("--optimizer-in-backward with --precision mixed: the loss scaler checks every "
+                "gradient for inf before one step; use --precision bf16 or fp32")
+    if args.optimizer_in_backward and launched_sharded(args):
+        return (f"--optimizer-in-backward with {sharded}: FSDP hands each process its gradient "
+                "shards after backward, not as backward completes each weight")
+    if args.stochastic_rounding and args.precision != "bf16":
+        return (f"--stochastic-rounding with --precision {args.precision}: it rounds the step "
+                "into bfloat16 weights; use --precision bf16")
+    if args.stochastic_rounding and args.optimizer != "adam":
+        return (f"--stochastic-rounding with --optimizer {args.optimizer}: it is Adam's update, "
+                "rounded at random; use --optimizer adam")
+    if args.stochastic_rounding and launched_sharded(args):
+        return (f"--stochastic-rounding with {sharded}: its float32 work views each weight "
+                "whole, and a sharded weight is a DTensor of shards; use --optimizer adam")
+    if args.optimizer in ("adamw-8bit", "adafactor") and launched_sharded(args):
+        return (f"--optimizer {args.optimizer} with {sharded}: its step has no rule for "
+                "sharded weights (DTensor): bitsandbytes' kernels, Adafactor's in-place row and "
+                "column statistics; use --optimizer adam or sgd")
+    if args.optimizer_on_host and args.offload:
+        return ("--optimizer-on-host with --offload: both keep the optimizer's state and step "
+                "in host memory; --offload also keeps the weights there: use one of them")
+    if args.optimizer_on_host and launched_sharded(args):
+        return ("--optimizer-on-host with sharding (torchrun): use --offload, which keeps each "
+                "process's shards, their state and the step in host memory")
+    if args.optimizer_on_host and args.precision == "mixed":
+        return ("--optimizer-on-host with --precision mixed: the loss scaler unscales the "
+                "gradients on the device, before the step; use --precision bf16 or fp32")
+    if args.loss == "chunked" and args.task != "causal-lm":
+        return (f"--loss chunked with --task {args.task}: a classifier's logits are a few "
+                "numbers per sample, with nothing to chunk; add --task causal-lm")
+    if args.loss == "chunked" and launched_sharded(args):
+        return (f"--loss chunked with {sharded}: it calls the blocks and the output layer apart, "
+                "outside the sharded model's forward that gathers their weights")
+    for name in ("lora_alpha", "lora_targets", "qlora"):
+        if getattr(args, name) and not args.lora_rank:
+            return (f"--{name.replace('_', '-')} without --lora-rank: it shapes the adapters; "
+                    "add --lora-rank R")
+    if args.lora_rank and launched_sharded(args):
+        return (f"--lora-rank with {sharded}: the sharded model is filled from the preset's "
+                "model parameter by parameter, and the adapters are not in it")
+    if args.reshard_after_forward is not None and not launched_sharded(args):
+        return ("--reshard-after-forward without sharding: it says what FSDP does after a "
+                "block's forward; run under torchrun or with --offload")
+    return None
+
+
+def main(argv=None):
+    args = parse_args(__doc__, argv, accum_steps=1, flags=switches)  # --accum-steps 1, the switches
+    problem = refusal(args)
+    if problem:
+        raise SystemExit(f"error: {problem}")
+    args.lora_alpha = args.lora_alpha or 16.0
+    if args.reshard_after_forward is None:
+        args.reshard_after_forward = True
+    if args.estimate:  # predict instead: this script's main() on fake tensors (estimate/)
+        if args.qlora:
+            raise SystemExit("error: --estimate with --qlora: bitsandbytes' 4-bit weights cannot "
+                             "be made from fake tensors; estimate --lora-rank alone and take 1.48 "
+                             "bytes off per quantized weight (docs/branches.md)")
+        from estimate import estimate
+        return estimate(__file__, argv)
+    if not launched_sharded(args):
+        return train(args, args.device)
+    _, world_size, device = init_distributed(args.device)  # FSDP: one process per device
+    try:  # FSDP: release the group's connections (NCCL communicators) also on error
+        check_batch_split(args, world_size)  # equal micro-batches on every process
+        return train(args, device)
+    finally:
+        end_distributed()  # FSDP: leave the group and free it, before Python exits
+
+
+if __name__ == "__main__":
+    main()
