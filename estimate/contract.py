@@ -10,6 +10,8 @@ naming the one that is not.
 """
 import importlib
 
+from steps import STEPS, step_id
+
 
 class EstimateError(Exception):
     """A run that cannot be estimated: the message says what was wrong and what to do."""
@@ -47,35 +49,12 @@ def required_names(module):
     return required
 
 
-# what a script may import that fake tensors cannot run, and why: the estimate stops and says so
-CANNOT_RUN_ON_FAKE_TENSORS = {
-    "Params4bit": (
-        "bitsandbytes' 4-bit weights (Params4bit, a tensor subclass built around real data and "
-        "quantized by bitsandbytes' kernels) cannot be made from fake tensors, so the estimate "
-        "cannot run it. By hand: 07a's estimate, less 1.48 bytes per quantized weight (NF4 with "
-        "its scales holds 0.52 bytes where bfloat16 holds 2); docs/branches.md works it out for "
-        "the presets. Or measure it: python 07b_qlora.py --device cpu (or on a GPU)"),
-}
-
-
-def cannot_estimate(script_path):
-    """Why the estimate cannot run this script (it imports what fake tensors cannot run), or
-    None; read from its source, without importing it."""
-    import re
-    from pathlib import Path
-    source = Path(script_path).read_text()
-    for name, reason in CANNOT_RUN_ON_FAKE_TENSORS.items():
-        if re.search(rf"^\s*from \S+ import .*\b{name}\b", source, re.MULTILINE):
-            return reason
-    return None
-
-
 def check_contract(module, script_name):
-    """Raise EstimateError naming the first required name the script lacks or replaces, or
-    what it imports that fake tensors cannot run."""
-    for name, reason in CANNOT_RUN_ON_FAKE_TENSORS.items():
-        if hasattr(module, name):
-            raise EstimateError(f"{script_name}: {reason}")
+    """Raise EstimateError naming the first required name the script lacks or replaces, or, for
+    a step the estimate cannot run (steps.py's `by_hand`), why and the rule to use instead."""
+    step = STEPS.get(step_id(script_name))
+    if step is not None and step.by_hand:
+        raise EstimateError(f"{script_name}: {step.by_hand}")
     for name, (home, stand_in) in required_names(module).items():
         expected = getattr(importlib.import_module(home), name)
         found = getattr(module, name, None)

@@ -150,7 +150,7 @@ def test_asking_for_the_chunked_loss_without_its_task_says_to_add_it(tmp_path, c
     import estimate.table
     from tour import runner
     with pytest.raises(SystemExit, match="05g_chunked_loss trains --task causal-lm only"):
-        estimate.table.main(["--scripts", "05g", "--results-dir", str(tmp_path)])
+        estimate.table.main(["--steps", "05g", "--results-dir", str(tmp_path)])
     with pytest.raises(SystemExit):
-        runner.parse_args(["--steps", "05g"], runner.find_scripts())
+        runner.parse_args(["--steps", "05g"])
     assert "add --task causal-lm" in capsys.readouterr().err

@@ -59,7 +59,7 @@ def problem_with(command):
             parse_table_args([*words[2:], "--results-dir", "/tmp/docs-check"])
         elif words[:2] == ["-m", "tour"] or words[:2] == ["-m", "tour.report"]:
             if words[1] == "tour":
-                tour.parse_args(words[2:], tour.find_scripts())
+                tour.parse_args(words[2:])
         elif words[0].endswith(".py"):
             path = ROOT / words[0]
             if not path.is_file():
