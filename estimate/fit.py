@@ -250,7 +250,7 @@ def fit_table(fits, size):
              "|---|---|---:|---|---|---:|"]
     for fit in fits:
         asked = (f"batch {fit.batch_size}" + (f", {fit.world_size} GPUs" if fit.world_size > 1
-                                               else "")) if fit.batch_size else ""
+                                              else "")) if fit.batch_size else ""
         reserved = size_text(fit.asked_reserved) if fit.asked_reserved is not None else ""
         fits_now = ("" if fit.asked_reserved is None else
                     "yes" if fit.asked_reserved <= fit.capacity else "no")

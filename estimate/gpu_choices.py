@@ -119,7 +119,7 @@ def gpu_attention(module, query, key, value, attention_mask, dropout=0.0, scalin
             query, key, value, bias, compute_log_sum_exp, dropout, False, scale=scaling)[0]
     else:  # bfloat16 below 8.0: the math path (the mask as sdpa converts it, unpadded)
         bias = None if attention_mask is None else additive_mask(attention_mask, query, key,
-                                                                  padded=False)
+                                                                 padded=False)
         output = torch.ops.aten._scaled_dot_product_attention_math(
             query, key, value, bias, dropout, False, scale=scaling)[0]
     return output.transpose(1, 2).contiguous(), None  # (batch, tokens, heads, head size), as sdpa's

@@ -86,12 +86,12 @@ def table(rows, outcomes, not_estimated=()):
     """The Markdown table of all predictions, with the study's figure where there is one, a row
     for each that failed and for each step in `not_estimated` (the notes say why)."""
     made = [read_estimate(record) for record, _, _ in outcomes if record is not None]
-    failed = [(row.script.stem, " ".join(row.argv) + (f", {row.world_size} processes"
-                                                       if row.world_size > 1 else ""),
-               "failed (see the note)") for row, (record, _, _) in zip(rows, outcomes)
-              if record is None]
-    return estimate_table(made, [*failed, *[(step.name, "", "not estimated (see the note)")
-                                            for step in not_estimated]])
+    failed = [(row.script.stem, " ".join(row.argv)
+               + (f", {row.world_size} processes" if row.world_size > 1 else ""),
+               "failed (see the note)")
+              for row, (record, _, _) in zip(rows, outcomes) if record is None]
+    not_run = [(step.name, "", "not estimated (see the note)") for step in not_estimated]
+    return estimate_table(made, [*failed, *not_run])
 
 
 def resources_used():

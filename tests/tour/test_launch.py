@@ -21,7 +21,7 @@ from tour import runner
     (0, 3, "tiny", (64, 4), 2, "cpu"),        # --nproc 3 on the CPU: 64 does not split in 12
 ])
 def test_sharded_steps_take_one_gpu_per_process_as_the_batch_splits(gpus, nproc, preset, split,
-                                                                     processes, device):
+                                                                    processes, device):
     launch = runner.sharded_launch(gpus, nproc, "auto", preset, split)
     assert (launch.processes, launch.device) == (processes, device)
     assert f"{gpus} GPU" in launch.reason  # the table says why
