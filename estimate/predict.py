@@ -135,6 +135,7 @@ def estimate(script, argv):
     own.add_argument("--gpu")
     own.add_argument("--world-size", type=int)
     asked, script_argv = own.parse_known_args(argv)
+    script_argv += ["--results-dir", asked.results_dir]  # checked as the script checks it
     problem = gpu_problem(asked.gpu, wants_cuda_emulation(script_argv))
     if problem:
         raise SystemExit(f"error: {problem}")
