@@ -222,7 +222,7 @@ def test_the_table_covers_each_script_and_its_world_size(tmp_path, capsys):
     assert "| 02_mixed_precision |" in table and "2 GPUs" in table and "wall time" in table
     # 07's branch 07b runs bitsandbytes' 4-bit weights, which fake tensors cannot: a row that
     # says so, a note that says why, and no failure
-    assert "| 07b_qlora (branch of 07a) | | not estimated (see the note) |" in table
+    assert "| 07b_qlora (branch of 07a) |  | not estimated (see the note) |" in table
     assert "note: 07b_qlora is not estimated: bitsandbytes' 4-bit weights" in table
     assert "| model state B/param | activations |" in table
     records = {record["script"]: record for record in
