@@ -113,14 +113,16 @@ def scripts():
 
 
 class UnknownStep(ValueError):
-    """A name given to --steps that matches no script; its message lists those that exist."""
+    """Names given to --steps that match no script (its message lists those that exist), or only
+    scripts of another task (its message says which --task to add)."""
 
 
 def select(names, task=None):
     """The steps that `names` pick, in tour order: "3", "03", "03_bf16", "03_bf16.py" or a path
     pick step 03; a bare number also picks its step's branches (05: 05 and 05a-05g); no names
     pick every step and branch (the combined script only when named). With `task`, steps that
-    do not train it are left out. Raises UnknownStep naming the scripts there are."""
+    do not train it are left out. Raises UnknownStep naming the scripts there are, or, when
+    every step named trains another task, that task."""
     every = sorted(STEPS.values(), key=lambda step: step.id)
     chosen = set()
     for name in names or ():
@@ -134,7 +136,11 @@ def select(names, task=None):
                               + " ".join(step.id for step in every))
         chosen.update(matches)
     picked = [step for step in every if step in chosen or not names and not step.combined]
-    return [step for step in picked if task is None or step.trains(task)]
+    kept = [step for step in picked if task is None or step.trains(task)]
+    if picked and not kept:
+        raise UnknownStep(f"{', '.join(step.name for step in picked)} trains --task "
+                          f"{picked[0].task} only: add --task {picked[0].task}")
+    return kept
 
 
 def with_parent(name):

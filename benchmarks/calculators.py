@@ -57,8 +57,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from estimate.published import STUDY_RESERVED_GB  # noqa: E402 (needs the path above)
+from estimate.records import ESTIMATE_FILE, GB, MIB  # noqa: E402
 
-GB, MIB = 10**9, 2**20
 BERT_DIR = "docs/models/bert-large-uncased-eager"  # the 2022 attention code path (eager)
 BERT_LABELS = 2
 BERT_SEQ_LEN = 512
@@ -265,7 +265,7 @@ def run_estimates(model_rows, results_dir, jobs):
 
     with ThreadPoolExecutor(max_workers=jobs) as pool:
         list(pool.map(run, model_rows))
-    records = json.loads((Path(results_dir) / "estimate.json").read_text())
+    records = json.loads((Path(results_dir) / ESTIMATE_FILE).read_text())
     found = {}
     for row in model_rows:
         model = None if row.model == "vit" else BERT_DIR

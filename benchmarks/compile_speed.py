@@ -34,8 +34,8 @@ def run_one(step, flags, results_dir):
     from torch._dynamo.utils import counters
 
     from common.compiled_memory import AllocationTracker
-    from steps import import_script
     from common.memory import compile_seconds, device_snapshot, fold_breakdown
+    from steps import import_script
 
     script = import_script(next(ROOT.glob(f"{step}_*.py")))
     meter_class, meters = script.MemoryMeter, []

@@ -9,7 +9,6 @@ against the study's published figure (within 10%). It only prints: wall time dep
 machine and on what else runs on it, so the load average is printed beside it.
 """
 import argparse
-import json
 import os
 import sys
 import time
@@ -17,8 +16,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from estimate.predict import ESTIMATE_FILE, GB, published_gb
-from estimate.table import main as estimate_table, resources_used
+from estimate.records import GB, load_estimates
+from estimate.table import main as estimate_table
+from estimate.table import resources_used
 
 TARGET_SECONDS, TARGET_RSS_GB, TARGET_RATIO_OFF = 60, 2.0, 0.10
 
@@ -40,7 +40,9 @@ def main():
     seconds = time.perf_counter() - start
     cpu_seconds, own_rss, worker_rss = resources_used()
 
-    records = json.loads((Path(args.results_dir) / ESTIMATE_FILE).read_text())
+    estimates, problem = load_estimates(args.results_dir)
+    if problem:
+        raise SystemExit(f"error: {problem}")
     print("\n== benchmark ==")
     print(f"wall time      {seconds:.1f} s  (CPU {cpu_seconds:.1f} s; load average before "
           f"{load_before:.1f} on {os.cpu_count()} cores)  {verdict(seconds < TARGET_SECONDS)}")
@@ -49,14 +51,13 @@ def main():
     print(f"peak RSS       {own_rss:.2f} GB in this process, {worker_rss:.2f} GB in the largest "
           f"of {args.jobs} workers: at most {bound:.2f} GB together  "
           f"{verdict(bound < TARGET_RSS_GB)}")
-    for record in records:
-        published = published_gb(record)
-        if record.get("preset") != "article" or not published:
+    for estimate in estimates:
+        if estimate.ratio() is None:
             continue
-        ratio = record["reserved_bytes"] / GB / published
-        print(f"{record['script']:<20} batch {record['batch_size']:>2} x{record['accum_steps']}  "
-              f"predicted {record['reserved_bytes'] / GB:6.2f} GB reserved, study {published:5.2f} GB, "
-              f"ratio {ratio:.2f}  {verdict(abs(ratio - 1) <= TARGET_RATIO_OFF)}")
+        print(f"{estimate.script:<20} batch {estimate.batch_size:>2} x{estimate.accum_steps}  "
+              f"predicted {estimate.reserved_bytes / GB:6.2f} GB reserved, study "
+              f"{estimate.published_gb:5.2f} GB, ratio {estimate.ratio():.2f}  "
+              f"{verdict(abs(estimate.ratio() - 1) <= TARGET_RATIO_OFF)}")
     return status
 
 

@@ -26,9 +26,8 @@ sys.path.insert(0, str(ROOT))
 
 from common.model import model_class, model_config, transformer_blocks  # noqa: E402
 from common.presets import PRESETS, is_text  # noqa: E402
-from steps import STEPS  # noqa: E402
 from estimate.fake_tensor_patches import FakeModeReadingZeros  # noqa: E402
-from steps import import_script  # noqa: E402
+from steps import STEPS, import_script  # noqa: E402
 
 
 def micro_batch(preset, size):

@@ -69,6 +69,57 @@ def run_main(main):
         raise SystemExit(130)  # where SIGINT's default action does not end the process
 
 
+# the flags that mean the same in every entry point: the scripts, python -m estimate, python -m tour
+SHARED_FLAGS = {
+    "--preset": dict(choices=sorted(PRESETS),
+                     help="tiny: offline, CPU, seconds; article: ViT-L/16 on CIFAR-10; tiny-text: "
+                          "offline, a MiniLM on movie reviews; imdb: BLOOM-560m on IMDb (article "
+                          "and imdb: GPU and network)"),
+    "--model": dict(metavar="NAME_OR_DIR",
+                    help="this Hugging Face image or sequence classifier (or decoder, with --task "
+                         "causal-lm) instead of the preset's model: a Hub id, or a directory "
+                         "holding its config.json (weights optional); the data comes from the "
+                         "preset"),
+    "--task": dict(choices=TASKS,
+                   help="classification: the label of each image or text; causal-lm (text "
+                        "presets): the next-token loss of a decoder over each text, padding "
+                        "ignored, reported as loss and perplexity"),
+    "--seq-len": dict(type=positive_int,
+                      help="with --model, text: tokens per sequence (default: the preset's)"),
+    "--image-size": dict(type=positive_int,
+                         help="with --model, images: height and width (default: the model's)"),
+    "--num-labels": dict(type=positive_int,
+                         help="with --model: classes of its new head (default: the data's)"),
+    "--epochs": dict(type=positive_int, help="default: the preset's"),
+    "--batch-size": dict(type=positive_int, help="samples per optimizer step, over all processes "
+                                                 "(default: the preset's)"),
+    "--max-steps": dict(type=positive_int,
+                        help="stop after this many optimizer steps (for quick runs)"),
+    "--gpu": dict(metavar="NAME",
+                  help="the GPU whose kernels the estimate emulates: a100 (the study's), h100, "
+                       "v100 or t4 (no flash attention, bfloat16 attention on the math path)"),
+    "--world-size": dict(type=positive_int, metavar="N",
+                         help="the processes (GPUs) the estimate runs a sharded step (07 on) in"),
+}
+SCRIPT_FLAGS = ["--preset", "--model", "--task", "--seq-len", "--image-size", "--num-labels",
+                "--epochs", "--batch-size", "--max-steps", "--gpu"]
+# a script takes these only with --estimate (a real run uses the GPU it has, the processes
+# torchrun starts), and says so
+ESTIMATE_ONLY = {"--gpu": "names the GPU --estimate emulates",
+                 "--world-size": "is the process count --estimate assumes (torchrun sets a run's)"}
+
+
+def add_shared_flags(parser, names, defaults=None):
+    """Declare the flags `names` of SHARED_FLAGS on `parser`; `defaults`: {flag: (this entry
+    point's default, that default in words for --help)}."""
+    for name in names:
+        options = dict(SHARED_FLAGS[name])
+        if name in (defaults or {}):
+            options["default"], words = defaults[name]
+            options["help"] += f" (default: {words})"
+        parser.add_argument(name, **options)
+
+
 def parse_args(description, argv=None, accum_steps=None, sharded=False, no_accumulation=None,
                lora=False, task=None, flags=None):
     """Parse the shared flags; `accum_steps` (from step 04 on) adds --accum-steps with that
@@ -86,34 +137,15 @@ def parse_args(description, argv=None, accum_steps=None, sharded=False, no_accum
     """
     parser = argparse.ArgumentParser(description=description,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--preset", choices=sorted(PRESETS),
-                        help="tiny: offline, CPU, seconds (default); article: ViT-L/16 on "
-                             "CIFAR-10; tiny-text: offline, a MiniLM on movie reviews; imdb: "
-                             "BLOOM-560m on IMDb (article and imdb: GPU and network)")
-    parser.add_argument("--model", metavar="NAME_OR_DIR",
-                        help="train (or --estimate) this Hugging Face model instead of the preset's: "
-                             "an image or sequence classifier, or with --task causal-lm a decoder; "
-                             "a Hub id, or a directory holding its config.json (weights optional); "
-                             "the data comes from the preset")
-    parser.add_argument("--task", choices=TASKS, default=task or "classification",
-                        help="classification (default): the label of each image or text; "
-                             "causal-lm (text presets): the next-token loss of a decoder over "
-                             "each text, padding ignored, reported as loss and perplexity")
-    parser.add_argument("--seq-len", type=positive_int,
-                        help="with --model, text: tokens per sequence (default: the preset's)")
-    parser.add_argument("--image-size", type=positive_int,
-                        help="with --model, images: height and width (default: the model's)")
-    parser.add_argument("--num-labels", type=positive_int,
-                        help="with --model: classes of its new head (default: the data's)")
-    parser.add_argument("--epochs", type=positive_int, help="default: the preset's")
-    parser.add_argument("--batch-size", type=positive_int,
-                        help="samples per optimizer step, over all processes (default: the preset's)")
+    add_shared_flags(parser, SCRIPT_FLAGS, {
+        "--preset": (None, "tiny; tiny-text under --task causal-lm, or for a --model of text"),
+        "--task": (task or "classification", task or "classification")})
+    if sharded:
+        add_shared_flags(parser, ["--world-size"], {"--world-size": (None, "WORLD_SIZE, or 1")})
     parser.add_argument("--lr", type=positive_float, help="learning rate (default: the preset's)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
                         help="auto: cuda if available, else cpu")
-    parser.add_argument("--max-steps", type=positive_int,
-                        help="stop after this many optimizer steps (for quick runs)")
     parser.add_argument("--results-dir", default="results", help="where the JSON record goes")
     parser.add_argument("--estimate", action="store_true",
                         help="predict this run's peak GPU memory on fake tensors instead of training")
@@ -143,6 +175,9 @@ def parse_args(description, argv=None, accum_steps=None, sharded=False, no_accum
         flags(parser)
     args = parser.parse_args(argv)
 
+    for flag in ESTIMATE_ONLY:
+        if not args.estimate and getattr(args, flag[2:].replace("-", "_"), None) is not None:
+            parser.error(f"{flag} {ESTIMATE_ONLY[flag]}: add --estimate, or leave {flag} out")
     if args.estimate and importlib.util.find_spec("estimate") is None:
         parser.error("--estimate needs the estimator, the folder estimate/, which this copy of "
                      "the script lacks: copy it beside common/ (or run it from the repository)")

@@ -14,7 +14,6 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 
-
 # How long a collective may wait for the slowest process. Process 0 alone loads the pretrained
 # weights (on a first run, downloads them: minutes for a large model) while the others wait in
 # the first broadcast; NCCL's default of 10 minutes would end such a job. A process that hangs

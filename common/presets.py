@@ -52,6 +52,8 @@ class Preset:
     qlora_lr: float = 1e-3     # the same on 4-bit weights (07b)
     tokenizer: str | None = None  # text: where the tokenizer is, when not beside the weights
     task: str = "classification"  # or "causal-lm" (--task): the next-token loss of a decoder
+    gpu: bool = False          # sized for a GPU (the tour runs its sharded steps on one GPU)
+    tour_estimate: bool = False  # its tour ends with the GPU estimate (the article preset's)
 
 
 PRESETS = {
@@ -64,7 +66,7 @@ PRESETS = {
         # patches of 8 needed 20 (README: "The tour")
         config=dict(hidden_size=128, num_hidden_layers=4, num_attention_heads=4,
                  intermediate_size=512, patch_size=16, image_size=32, initializer_range=0.05),
-        image_size=32, batch_size=64, epochs=6, lr=7e-4, sgd_lr=0.1,
+        image_size=32, batch_size=64, epochs=6, lr=7e-4, sgd_lr=0.1, tour_estimate=True,
     ),
     "article": Preset(
         name="article",
@@ -76,7 +78,7 @@ PRESETS = {
                  hidden_act="gelu", layer_norm_eps=1e-12, qkv_bias=True,
                  hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0),
         image_size=224, batch_size=64, epochs=1, lr=5e-5, sgd_lr=0.01, lora_lr=5e-4,
-        qlora_lr=2e-4,
+        qlora_lr=2e-4, gpu=True, tour_estimate=True,
     ),
     "tiny-text": Preset(
         name="tiny-text",
@@ -106,7 +108,7 @@ PRESETS = {
                     attention_dropout=0.0, pad_token_id=3, bos_token_id=1, eos_token_id=2),
         # the LLM study's settings; its SGD learning rate (05 on) is not tuned: the study used Adam
         max_length=1024, num_classes=2, batch_size=16, epochs=1, lr=5e-5, sgd_lr=0.01,
-        lora_lr=5e-4, qlora_lr=2e-4,
+        lora_lr=5e-4, qlora_lr=2e-4, gpu=True,
     ),
 }
 

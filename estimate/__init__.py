@@ -1,7 +1,8 @@
 """The GPU-memory estimator: predict a training run's peak GPU memory on a machine without a GPU, in seconds.
 
   python 03_bf16.py --preset article --batch-size 16 --estimate   # that exact run, on one GPU
-  WORLD_SIZE=4 python 07_fsdp.py --preset article --estimate       # sharded over 4 processes
+  python 07_fsdp.py --preset article --estimate --world-size 4     # sharded over 4 processes
+  python 03_bf16.py --preset article --estimate --gpu v100         # on a V100 (default: A100)
   python -m estimate             # every numbered script at the article preset: one table
   python -m estimate --preset tiny --device cpu   # no GPU emulation (see below)
   python -m estimate --model DIR_OR_HUB_ID --seq-len 512 --batch-size 16 --gpu-memory 24GB
@@ -21,8 +22,8 @@ and `max_memory_reserved` would report, with a breakdown at the allocated peak.
 counted exactly as MemoryMeter counts them on the CPU, and reserved = allocated. On the tiny
 preset that equals the peak a real `--device cpu --max-steps 2 --epochs 1` run measures.
 
-Distributed steps (07 on) run as rank 0 of a fake process group: WORLD_SIZE processes for a
-script's own --estimate (1 if unset, as `python 07_fsdp.py` alone), --world-size for the table.
+Distributed steps (07 on) run as rank 0 of a fake process group of --world-size processes (for
+a script's own --estimate, WORLD_SIZE if not given, else 1, as `python 07_fsdp.py` alone).
 Both write results/estimate.json (--results-dir): one record per script and setting, updated
 in place, so a single script's estimate keeps the others' records.
 """

@@ -12,9 +12,9 @@ from dataclasses import dataclass, field
 
 from torch.distributed._tools.mem_tracker import MemTracker, _UpdateType
 
+from common.memory import fold_breakdown
 from estimate.caching_allocator import CachingAllocatorModel
 from estimate.gpu_choices import CUBLAS_WORKSPACE_BYTES, CUBLAS_WORKSPACES
-from common.memory import fold_breakdown
 
 ALLOC, FREE, RESIZE, LABEL = "alloc", "free", "resize", "label"
 WORKSPACE_CATEGORY = "Temp"  # cuBLAS workspaces are counted with the temporaries

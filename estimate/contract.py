@@ -10,6 +10,8 @@ naming the one that is not.
 """
 import importlib
 
+from steps import STEPS, step_id
+
 
 class EstimateError(Exception):
     """A run that cannot be estimated: the message says what was wrong and what to do."""
@@ -65,7 +67,11 @@ def required_names(module):
 
 
 def check_contract(module, script_name):
-    """Raise EstimateError naming the first required name the script lacks or replaces."""
+    """Raise EstimateError naming the first required name the script lacks or replaces, or, for
+    a step the estimate cannot run (steps.py's `by_hand`), why and the rule to use instead."""
+    step = STEPS.get(step_id(script_name))
+    if step is not None and step.by_hand:
+        raise EstimateError(f"{script_name}: {step.by_hand}")
     for name, (home, stand_in) in required_names(module).items():
         expected = getattr(importlib.import_module(home), name)
         found = getattr(module, name, None)

@@ -6,9 +6,10 @@ name, and on that module object only the helpers it imports by name that need da
 other processes or a screen are replaced: `load_data` (batches of the preset's shapes),
 `create_model` (the preset's architecture, no weights), `evaluate` (skipped), `Progress`
 (silent), `MemoryMeter` (the script's own meter, its result kept on this rank),
-`measure_creation` (measured on the fake tensors), `report` (kept, not printed) and `init_distributed` (a fake
-process group of N ranks). Precision, autocast, loss scaling, accumulation, optimizer,
-scheduler, sharding, offload and checkpointing are the script's own code.
+`measure_creation` (measured on the fake tensors), `report` (kept, not printed) and
+`init_distributed` (a fake process group of N ranks). Precision, autocast, loss scaling,
+accumulation, optimizer, scheduler, sharding, offload and checkpointing are the script's own
+code; what the run changes inside PyTorch is in fake_tensor_patches.py.
 
 The host side of the run (batches, the model of steps 01-05 before `.to(device)`, and what a
 script offloads to its `HOST`) lives on the meta device when a GPU is emulated, so that
@@ -29,26 +30,29 @@ import torch.distributed as dist
 
 import common.data
 from common.data import Data
-from estimate import gpu_choices
-from estimate.allocation_trace import AllocationTrace
-from estimate.fake_tensor_patches import (FakeModeReadingZeros, device_meshes_made_for_real,
-                               sharding_propagation_apart, swappable_fake_parameters,
-                               with_global_peak_only)
-from estimate.contract import EstimateError, check_contract, required_names
-from steps import import_script
 from common.memory import FSDPMemTracker, MemoryMeter, is_sharded, memory_tracker
 from common.memory import measure_creation as real_measure_creation
-from common.model import (classification_head, initialise, model_class, model_config,
-                          offloads_to_host)
+from common.model import classification_head, initialise, model_class, model_config, offloads_to_host
 from common.presets import is_text
 from common.progress import Progress
+from estimate import gpu_choices
+from estimate.allocation_trace import AllocationTrace
+from estimate.contract import EstimateError, check_contract, required_names
+from estimate.fake_tensor_patches import (
+    INIT_PROCESS_GROUP,
+    FakeModeReadingZeros,
+    cuda_optimizer_defaults,
+    device_meshes_made_for_real,
+    process_group_only_through_init_distributed,
+    sharding_propagation_apart,
+    swappable_fake_parameters,
+    with_global_peak_only,
+)
+from steps import import_script
 
 QUICK_RUN = ["--max-steps", "2", "--epochs", "1"]  # a run's peak falls within two optimizer steps
 COMPUTE_DEVICE = torch.device("cpu")  # fake tensors stand for GPU memory here (see gpu_choices.py)
 HOST_DEVICE = torch.device("meta")  # fake host memory, so that `.to(device)` copies as on a GPU
-
-
-INIT_PROCESS_GROUP = dist.init_process_group  # the real one, for the fake group
 
 
 @dataclass
@@ -56,6 +60,8 @@ class FakeRun:
     """What one fake run of a script saw: its settings, its meter's result, the allocation order."""
     script: str
     emulate_cuda: bool
+    gpu: str = gpu_choices.DEFAULT_GPU  # the GPU emulated (a key of GPUS), when emulate_cuda
+    any_batch_size: bool = False  # the data set holds two batches of any size (--gpu-memory)
     record: dict = None  # what the script passed to report()
     meter_result: dict = None
     trace: AllocationTrace = field(default_factory=AllocationTrace)
@@ -66,21 +72,6 @@ class FakeRun:
 
     def training_events(self):
         return self.trace.events[self.creation_events.stop:]
-
-
-SAMPLES_FOR_ANY_BATCH = False  # set by any_batch_size()
-
-
-@contextmanager
-def any_batch_size():
-    """Within: the fake data set has as many samples as two batches of any size need (the
-    --gpu-memory search asks what fits, beyond what the preset's data set holds)."""
-    global SAMPLES_FOR_ANY_BATCH
-    before, SAMPLES_FOR_ANY_BATCH = SAMPLES_FOR_ANY_BATCH, True
-    try:
-        yield
-    finally:
-        SAMPLES_FOR_ANY_BATCH = before
 
 
 class FakeLoader:
@@ -173,7 +164,7 @@ def stand_ins(run, world_size):
             raise EstimateError(f"no sample count known for the data set {preset.dataset!r}; "
                                 "add its splits to splits_of in estimate/fake_run.py")
         samples = splits[0]
-        if SAMPLES_FOR_ANY_BATCH:  # the --gpu-memory search: two batches, whatever their size
+        if run.any_batch_size:  # the --gpu-memory search: two batches, whatever their size
             samples = max(samples, 2 * batch_size)
         if batch_size > samples:
             raise EstimateError(f"--batch-size {batch_size} is larger than the {samples} training "
@@ -189,8 +180,7 @@ def stand_ins(run, world_size):
         attention = preset.config.get("attn_implementation") or (  # one its config asks for
             "sdpa" if model_class(preset)._supports_sdpa else "eager")
         if run.emulate_cuda and attention == "sdpa":
-            gpu_choices.register_gpu_attention()
-            attention = gpu_choices.GPU_ATTENTION
+            attention = gpu_choices.register_gpu_attention(run.gpu)
         with torch.device("meta"):  # initialisers read values: build on meta, then swap in fakes
             model = model_class(preset)._from_config(
                 model_config(preset), dtype=dtype, attn_implementation=attention)
@@ -272,21 +262,6 @@ def stand_ins(run, world_size):
             "fill_shards": fill_shards, "HOST": host}
 
 
-@contextmanager
-def process_group_only_through_init_distributed(script_name):
-    """A script that starts a process group itself would wait for processes that never come."""
-    def refuse(*args, **kwargs):
-        raise EstimateError(
-            f"{script_name} calls torch.distributed.init_process_group itself; --estimate can "
-            "only run a script that joins its process group through `init_distributed` "
-            "(from common.distributed import init_distributed), for which it makes a fake group")
-    dist.init_process_group = refuse
-    try:
-        yield
-    finally:
-        dist.init_process_group = INIT_PROCESS_GROUP
-
-
 def wants_cuda_emulation(argv):
     """--device cpu asks for the CPU itself (no GPU emulation); anything else predicts a GPU."""
     parser = argparse.ArgumentParser(add_help=False)
@@ -299,14 +274,18 @@ def without_estimate_flag(argv):
     return [arg for arg in argv if arg != "--estimate"]
 
 
-def run_on_fake_tensors(script_path, argv, world_size=1, gpu=gpu_choices.DEFAULT_GPU):
+def run_on_fake_tensors(script_path, argv, world_size=1, gpu=gpu_choices.DEFAULT_GPU,
+                        any_batch_size=False):
     """Run the script's main(argv) for two optimizer steps on fake tensors; returns a FakeRun.
 
     `argv` are the script's own flags; `world_size` is the number of processes a distributed
-    script would run in (the fake process group's size); `gpu` the GPU emulated (GPUS' keys).
+    script would run in (the fake process group's size); `gpu` the GPU emulated (GPUS' keys);
+    `any_batch_size`: the data set is as large as two batches of the size asked need (the
+    --gpu-memory search asks what fits, beyond what the preset's data set holds).
     """
     emulate_cuda = wants_cuda_emulation(argv)
-    run = FakeRun(script=Path(script_path).stem, emulate_cuda=emulate_cuda)
+    run = FakeRun(script=Path(script_path).stem, emulate_cuda=emulate_cuda, gpu=gpu,
+                  any_batch_size=any_batch_size)
     module = import_script(script_path, prefix="estimated")
     check_contract(module, Path(script_path).name)
     replacements = stand_ins(run, world_size)
@@ -326,8 +305,7 @@ def run_on_fake_tensors(script_path, argv, world_size=1, gpu=gpu_choices.DEFAULT
         stack.enter_context(swappable_fake_parameters(fake_mode))
         stack.enter_context(device_meshes_made_for_real())
         stack.enter_context(sharding_propagation_apart())
-        stack.enter_context(gpu_choices.cuda_optimizer_defaults() if emulate_cuda else nullcontext())
-        stack.enter_context(gpu_choices.emulating(gpu))
+        stack.enter_context(cuda_optimizer_defaults() if emulate_cuda else nullcontext())
         stack.enter_context(run.trace.recording())
         stack.enter_context(process_group_only_through_init_distributed(Path(script_path).name))
         messages = io.StringIO()

@@ -1,14 +1,21 @@
-"""What PyTorch 2.13 needs to run a training step on fake tensors and track its memory.
+"""Every change the estimate makes inside PyTorch (2.13) while a fake run lasts, in one place.
 
-Each piece works around one place where fake tensors behave unlike real ones, or where
-MemTracker's bookkeeping costs more than the estimate needs; each says why it is harmless.
+Each piece works around one place where fake tensors behave unlike real ones, makes a CPU
+answer as CUDA would (gpu_choices.py says why), keeps a script from starting real processes, or
+saves MemTracker bookkeeping the estimate does not need; each says why it is harmless, and each
+context manager puts back what it replaced.
 """
 import functools
+import sys
 import weakref
 from contextlib import contextmanager
 
 import torch
+import torch.distributed as dist
 from torch._subclasses.fake_tensor import _DISPATCH_META_HANDLERS, FakeTensor, FakeTensorMode
+
+from estimate.contract import EstimateError
+from estimate.gpu_choices import foreach_as_on_cuda
 
 DEVICE_QUERY = torch.ops.prim.device.default
 BATCH_NORM = torch.ops.aten.native_batch_norm.default
@@ -118,6 +125,39 @@ def sharding_propagation_apart():
         yield
     finally:
         _sharding_prop.detect_fake_mode = original
+
+
+@contextmanager
+def cuda_optimizer_defaults():
+    """While inside, optimizers with foreach=None pick their CUDA default (foreach)."""
+    modules = [module for name, module in list(sys.modules.items())
+               if name.startswith("torch.optim.") and hasattr(module, "_default_to_fused_or_foreach")]
+    originals = [module._default_to_fused_or_foreach for module in modules]
+    for module in modules:
+        module._default_to_fused_or_foreach = foreach_as_on_cuda
+    try:
+        yield
+    finally:
+        for module, original in zip(modules, originals):
+            module._default_to_fused_or_foreach = original
+
+
+INIT_PROCESS_GROUP = dist.init_process_group  # the real one, for the fake group
+
+
+@contextmanager
+def process_group_only_through_init_distributed(script_name):
+    """A script that starts a process group itself would wait for processes that never come."""
+    def refuse(*args, **kwargs):
+        raise EstimateError(
+            f"{script_name} calls torch.distributed.init_process_group itself; --estimate can "
+            "only run a script that joins its process group through `init_distributed` "
+            "(from common.distributed import init_distributed), for which it makes a fake group")
+    dist.init_process_group = refuse
+    try:
+        yield
+    finally:
+        dist.init_process_group = INIT_PROCESS_GROUP
 
 
 def with_global_peak_only(tracker):

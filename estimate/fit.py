@@ -19,9 +19,9 @@ import re
 from concurrent.futures import as_completed
 from dataclasses import dataclass, field
 
-from estimate.fake_run import any_batch_size
 from estimate.gpu_choices import DEFAULT_GPU
-from estimate.predict import GB, Row, attempt, in_units
+from estimate.predict import Row, attempt
+from estimate.records import GB, size_text
 from estimate.workers import worker_pool
 
 UNITS = {"": GB, "b": 1, "kb": 10**3, "mb": 10**6, "gb": GB, "tb": 10**12,
@@ -57,12 +57,13 @@ class Fit:
 
 
 def micro_row(script, base_argv, world_size, micro, accumulates, gpu=DEFAULT_GPU):
-    """The row whose run has micro-batches of `micro` samples per process."""
+    """The row whose run has micro-batches of `micro` samples per process; a question of memory,
+    so the data set's size does not limit it."""
     if accumulates:
         flags = ["--batch-size", str(2 * micro * world_size), "--accum-steps", "2"]
     else:
         flags = ["--batch-size", str(micro * world_size)]
-    return Row(script, [*base_argv, *flags], world_size, gpu)
+    return Row(script, [*base_argv, *flags], world_size, gpu, any_batch_size=True)
 
 
 def search(script, base_argv, world_size, capacity, accumulates, known=None, gpu=DEFAULT_GPU):
@@ -74,9 +75,8 @@ def search(script, base_argv, world_size, capacity, accumulates, known=None, gpu
 
     def fits(micro):
         if micro not in found.tried:
-            with any_batch_size():  # a question of memory: the data set's size does not limit it
-                record, problem, _ = attempt(micro_row(script, base_argv, world_size, micro,
-                                                       accumulates, gpu))
+            record, problem, _ = attempt(micro_row(script, base_argv, world_size, micro,
+                                                   accumulates, gpu))
             if problem:
                 raise RuntimeError(problem)
             found.tried[micro] = (record["allocated_bytes"], record["reserved_bytes"])
@@ -184,7 +184,7 @@ def search_all(rows, outcomes, capacity, jobs, accumulates):
             fits.append(Fit(script.stem, accumulates(script), problem="its estimate failed"))
             continue
         tasks.append((search_task(row, record, capacity, accumulates(script)), record))
-    started = (f"searching the largest batch that fits in {in_units(capacity)} for {len(tasks)} "
+    started = (f"searching the largest batch that fits in {size_text(capacity)} for {len(tasks)} "
                f"scripts, up to {MAX_ESTIMATES} estimates each")
     if jobs > 1 and len(tasks) > 1:
         with worker_pool(jobs, lambda: "during the --gpu-memory search: no table of what fits, "
@@ -250,8 +250,8 @@ def fit_table(fits, size):
              "|---|---|---:|---|---|---:|"]
     for fit in fits:
         asked = (f"batch {fit.batch_size}" + (f", {fit.world_size} GPUs" if fit.world_size > 1
-                                               else "")) if fit.batch_size else ""
-        reserved = in_units(fit.asked_reserved) if fit.asked_reserved is not None else ""
+                                              else "")) if fit.batch_size else ""
+        reserved = size_text(fit.asked_reserved) if fit.asked_reserved is not None else ""
         fits_now = ("" if fit.asked_reserved is None else
                     "yes" if fit.asked_reserved <= fit.capacity else "no")
         lines.append(f"| {fit.script} | {asked} | {reserved} | {fits_now} | {fit_words(fit)} "

@@ -27,7 +27,7 @@ here, explicitly, as PyTorch 2.13 (the version pinned here) makes it on an A100:
   the CPU, the for-loop one); Adafactor never asks, and runs its single-tensor path on both.
   Foreach Adam holds one temporary the size of all parameters at once (the square root of the
   second moment; the June 2023 build the study used held two); the for-loop one, one
-  parameter's worth (`cuda_optimizer_defaults`).
+  parameter's worth (`foreach_as_on_cuda`).
 - Allocation rounding: every block is a multiple of 512 bytes (`ALLOCATION_GRANULE`, caching_allocator.py).
 - The caching allocator: freed blocks stay reserved and are reused by later requests that fit,
   so `max_memory_reserved` exceeds `max_memory_allocated` by the allocator's fragmentation
@@ -52,8 +52,7 @@ whose cached blocks the real allocator keeps apart, and an offloaded shard is co
 before it is gathered (here the copy is a no-op); the model treats it all as one stream and no
 copy, so for these steps the reserved figure leans low.
 """
-import sys
-from contextlib import contextmanager
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -69,23 +68,23 @@ class Gpu:
 GPUS = {"a100": Gpu("A100", (8, 0), 108), "h100": Gpu("H100", (9, 0), 132),  # H100: SXM
         "v100": Gpu("V100", (7, 0), 80), "t4": Gpu("T4", (7, 5), 40)}
 DEFAULT_GPU = "a100"  # the study's GPU
-chosen = GPUS[DEFAULT_GPU]  # the GPU of the estimate being made (`emulating`)
 
 
-@contextmanager
-def emulating(gpu):
-    """While inside, the kernels chosen are those of GPUS[gpu]."""
-    global chosen
-    before, chosen = chosen, GPUS[gpu]
-    try:
-        yield
-    finally:
-        chosen = before
+def gpu_problem(name, emulated=True):
+    """What is wrong with --gpu `name` (None: not given), in words that say what to do, or None."""
+    if name is None:
+        return None
+    if not emulated:
+        return f"--gpu {name} names the GPU to emulate: leave --device cpu out"
+    if name not in GPUS:
+        return f"--gpu {name}: the GPUs emulated are {', '.join(sorted(GPUS))}"
+    return None
+
 
 CUBLAS_WORKSPACE_BYTES = 4096 * 1024 * 2 + 16 * 1024 * 8  # CUBLAS_WORKSPACE_CONFIG ":4096:2:16:8"
 CUBLAS_WORKSPACES = 2                 # forward (main thread) and backward (autograd's thread)
 
-GPU_ATTENTION = "gpu_kernels"         # the transformers attention implementation registered below
+GPU_ATTENTION = "gpu_kernels"  # the transformers attention implementations registered below, one per GPU
 
 # MemTracker's and FSDPMemTracker's categories that live in host memory under CPU offload
 HOST_CATEGORIES_WHEN_OFFLOADED = frozenset({"Sharded Param", "Sharded Grad", "OptState"})
@@ -94,9 +93,10 @@ HOST_CATEGORIES_WHEN_OFFLOADED = frozenset({"Sharded Param", "Sharded Grad", "Op
 MEMORY_EFFICIENT_MASK_ALIGNMENT = 8  # keys, as scaled_dot_product_attention pads the mask
 
 
-def gpu_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
-    """transformers attention on the kernel CUDA would pick: flash for half types without a mask,
-    else the memory-efficient kernel (with a padding mask as its additive bias).
+def gpu_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
+                  gpu=GPUS[DEFAULT_GPU], **kwargs):
+    """transformers attention on the kernel CUDA would pick on `gpu`: flash for half types
+    without a mask, else the memory-efficient kernel (with a padding mask as its additive bias).
 
     Calls the CUDA kernels' own aten operators, after the steps scaled_dot_product_attention
     takes on CUDA first; on fake tensors they run their shape functions, so autograd keeps
@@ -110,7 +110,7 @@ def gpu_attention(module, query, key, value, attention_mask, dropout=0.0, scalin
         key, value = repeat_kv(key, groups), repeat_kv(value, groups)
     compute_log_sum_exp = torch.is_grad_enabled() and any(
         tensor.requires_grad for tensor in (query, key, value))
-    ampere = chosen.capability >= (8, 0)
+    ampere = gpu.capability >= (8, 0)
     if attention_mask is None and query.dtype in (torch.float16, torch.bfloat16) and ampere:
         output = torch.ops.aten._scaled_dot_product_flash_attention(
             query, key, value, dropout, False, False, scale=scaling)[0]
@@ -120,7 +120,7 @@ def gpu_attention(module, query, key, value, attention_mask, dropout=0.0, scalin
             query, key, value, bias, compute_log_sum_exp, dropout, False, scale=scaling)[0]
     else:  # bfloat16 below 8.0: the math path (the mask as sdpa converts it, unpadded)
         bias = None if attention_mask is None else additive_mask(attention_mask, query, key,
-                                                                  padded=False)
+                                                                 padded=False)
         output = torch.ops.aten._scaled_dot_product_attention_math(
             query, key, value, bias, dropout, False, scale=scaling)[0]
     return output.transpose(1, 2).contiguous(), None  # (batch, tokens, heads, head size), as sdpa's
@@ -143,30 +143,17 @@ def additive_mask(mask, query, key, padded=True):
     return mask.expand(query.shape[0], query.shape[1], query.shape[2], key.shape[2])
 
 
-def register_gpu_attention():
-    """Register `gpu_attention`, and with it sdpa's masks (without a registered mask function
-    transformers would pass it none)."""
+def register_gpu_attention(gpu):
+    """Register `gpu_attention` on GPUS[gpu], and with it sdpa's masks (without a registered mask
+    function transformers would pass it none); returns the name a model asks for it by."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-    AttentionInterface.register(GPU_ATTENTION, gpu_attention)
-    AttentionMaskInterface.register(GPU_ATTENTION, sdpa_mask)
+    name = f"{GPU_ATTENTION}_{gpu}"
+    AttentionInterface.register(name, functools.partial(gpu_attention, gpu=GPUS[gpu]))
+    AttentionMaskInterface.register(name, sdpa_mask)
+    return name
 
 
 def foreach_as_on_cuda(params, differentiable, use_fused=False):
     """`_default_to_fused_or_foreach` as it answers for CUDA tensors: foreach, never fused."""
     return False, not differentiable and not torch.jit.is_scripting()
-
-
-@contextmanager
-def cuda_optimizer_defaults():
-    """While inside, optimizers with foreach=None pick their CUDA default (foreach)."""
-    modules = [module for name, module in list(sys.modules.items())
-               if name.startswith("torch.optim.") and hasattr(module, "_default_to_fused_or_foreach")]
-    originals = [module._default_to_fused_or_foreach for module in modules]
-    for module in modules:
-        module._default_to_fused_or_foreach = foreach_as_on_cuda
-    try:
-        yield
-    finally:
-        for module, original in zip(modules, originals):
-            module._default_to_fused_or_foreach = original

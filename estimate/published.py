@@ -2,6 +2,7 @@
 
 All are `torch.cuda.max_memory_reserved()` on an A100 with a PyTorch 2.1 nightly, one epoch of
 torchvision's ViT-L/16 on CIFAR-10 at 224 px, in GB (10**9 bytes), from the study's own logs.
+estimate/records.py says when a prediction is compared with one (`published_gb`).
 """
 
 # (script, batch size, accumulation steps) -> GB, single GPU
@@ -13,8 +14,3 @@ STUDY_RESERVED_GB = {
     ("04_grad_accum", 16, 4): 3.91,
     ("05_sgd_cosine", 16, 4): 2.02,  # the study's headline, "about 2 GB": SGD, 4 micro-batches
 }
-
-
-def published_reserved_gb(script, batch_size, accum_steps):
-    """The study's figure for this exact setting, or None."""
-    return STUDY_RESERVED_GB.get((script, batch_size, accum_steps))

@@ -7,12 +7,14 @@ and two blocks deep. docs/estimator.md's table of supported architectures is che
 (tests/test_architectures.py), so neither can change without the other.
 """
 import json
+import re
 import shutil
 
 from transformers.models.auto import tokenization_auto
 
 from common.packaged import fetch
 from common.presets import MINILM
+from steps import STEPS
 
 # transformers 5 ignores the tokenizer class a qwen2 directory names and loads Qwen2Tokenizer,
 # which reads MiniLM's vocabulary one character per token: no text is then shorter than SEQ_LEN,
@@ -61,6 +63,9 @@ def in_matrix(name, step):
 # what a script refuses for an architecture, and the words of its message
 REFUSED = {("ResNet", "07a"): "no linear layer for LoRA to adapt",
            ("ResNet", "07b"): "no linear layer for LoRA to adapt"}
+# scripts that train on every architecture but that the estimate cannot run (steps.py's by_hand),
+# and the words it stops with
+NOT_ESTIMATED = {step.id: re.escape(step.by_hand) for step in STEPS.values() if step.by_hand}
 # what also runs as 2 processes: 07-09 for an encoder and a decoder with grouped-query attention
 # (fewer key and value heads than query heads); 09, which recomputes each block in backward, for
 # every decoder that would otherwise keep a key-value cache. The vision model, ViT, runs 07-09 as

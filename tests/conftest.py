@@ -13,7 +13,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from steps import import_script  # noqa: E402 (needs the path above)
+from steps import STEPS, import_script  # noqa: E402 (needs the path above)
 
 # Tests that check what a CPU run counts pin the CPU, also on a machine with CUDA; the tests
 # that only a GPU can answer are marked `requires_cuda` and skipped, with the reason, elsewhere.
@@ -28,11 +28,9 @@ requires_two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2,
                                        reason="needs 2 CUDA GPUs; this machine has fewer")
 
 
-def script_path(name):
-    matches = sorted(ROOT.glob(f"{name}*.py"))
-    if not matches:
-        raise FileNotFoundError(f"no script {name}*.py in {ROOT}")
-    return matches[0]
+def script_path(step):
+    """The script of step `step` ("04", "05a"), as steps.py finds it."""
+    return STEPS[step].path
 
 
 def load_script(name):

@@ -22,10 +22,9 @@ from torch._dynamo.utils import counters
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from conftest import SMALL_SNIPPET_SPLITS, load_script  # first: it puts the repository on sys.path
-
 import common.data
 from common.memory import TRACKED_STEPS
+from conftest import SMALL_SNIPPET_SPLITS, load_script  # first: it puts the repository on sys.path
 
 
 def local(tensor):

@@ -12,10 +12,10 @@ import sys
 
 import pytest
 
-from estimate.predict import predict
 from common.packaged import fetch
 from common.presets import MINILM
 from conftest import QUICK, ROOT, load_script, run_script, script_path
+from estimate.predict import predict
 
 NO_EMULATION = ["--device", "cpu"]
 SMALL = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=128)

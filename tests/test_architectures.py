@@ -12,11 +12,11 @@ import sys
 
 import pytest
 
-from architecture_matrix import (ARCHITECTURES, REFUSED, TWO_PROCESSES, in_matrix, model_flags,
-                                 write_model)
-from estimate.predict import predict
-from steps import STEPS, scripts as numbered_scripts, step_id
+from architecture_matrix import ARCHITECTURES, REFUSED, TWO_PROCESSES, in_matrix, model_flags, write_model
 from conftest import QUICK, ROOT, run_script, run_to_end
+from estimate.predict import predict
+from steps import STEPS, step_id
+from steps import scripts as numbered_scripts
 
 SCRIPTS = {step_id(script.name): script for script in numbered_scripts()}
 # the matrix trains classifiers; 05g trains --task causal-lm only (tests/test_causal_lm.py)
@@ -84,6 +84,7 @@ def test_a_decoder_created_for_training_keeps_no_key_value_cache(name, models):
     """Its config says no cache, so a training forward returns none: recomputing a block in
     backward (09) then sees the keys and values forward saw, not those appended twice."""
     import torch
+
     from common.cli import parse_args
     from common.model import create_model
     from common.presets import preset_for

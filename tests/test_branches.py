@@ -5,8 +5,8 @@ import re
 import pytest
 import torch
 
-from steps import STEPS, step_id, with_parent
 from conftest import CPU, QUICK, assert_follows, load_script, run_script, script_path
+from steps import STEPS, step_id, with_parent
 
 
 def test_a_branch_starts_from_the_parent_of_its_step():

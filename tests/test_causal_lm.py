@@ -86,8 +86,7 @@ def test_the_chunked_loss_is_the_models_own_loss_within_rounding():
 
 
 def test_the_text_labels_are_the_tokens_with_padding_left_out():
-    from common.data import IGNORED, tokenized
-    from common.data import tokenizer_for
+    from common.data import IGNORED, tokenized, tokenizer_for
     from common.presets import PRESETS, for_task
     preset = for_task(PRESETS["tiny-text"], "causal-lm")
     data = tokenized(["a short review", "a review that is a good deal longer than that"],
@@ -133,6 +132,7 @@ def test_a_decoder_trains_on_next_tokens_in_two_processes(tmp_path):
     tokens."""
     import json
     import sys
+
     from conftest import run_to_end
     folder = write_model(tmp_path / "llama", "Llama")
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
@@ -149,7 +149,7 @@ def test_asking_for_the_chunked_loss_without_its_task_says_to_add_it(tmp_path, c
     import estimate.table
     from tour import runner
     with pytest.raises(SystemExit, match="05g_chunked_loss trains --task causal-lm only"):
-        estimate.table.main(["--scripts", "05g", "--results-dir", str(tmp_path)])
+        estimate.table.main(["--steps", "05g", "--results-dir", str(tmp_path)])
     with pytest.raises(SystemExit):
-        runner.parse_args(["--steps", "05g"], runner.find_scripts())
+        runner.parse_args(["--steps", "05g"])
     assert "add --task causal-lm" in capsys.readouterr().err

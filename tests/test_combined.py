@@ -11,6 +11,7 @@ import tokenize
 
 import pytest
 import torch
+from test_layout import TAGS, has_tag
 from torch.distributed.tensor import DTensor
 
 import common.data
@@ -20,7 +21,6 @@ from common.memory import is_compiled
 from common.model import offloads_to_host, transformer_blocks
 from conftest import QUICK, TEXT, assert_follows, load_script, run_script, script_path
 from steps import STEPS
-from test_layout import TAGS, has_tag
 
 STEP_OF_TAG = {tag: step for step, tag in TAGS.items()}
 COMBINED = "10"

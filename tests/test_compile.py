@@ -11,10 +11,9 @@ from torch._dynamo.utils import counters
 
 from common.cli import compiler_problem, parse_args
 from common.compiled_memory import AllocationTracker
-from estimate import estimate
 from common.memory import device_snapshot, fold_breakdown
-from conftest import (CPU, PROBED_TEST_TIMEOUT, assert_follows, QUICK, load_script, run_script,
-                      script_path)
+from conftest import CPU, PROBED_TEST_TIMEOUT, QUICK, assert_follows, load_script, run_script, script_path
+from estimate import estimate
 
 # two epochs of tiny (19 steps each) cut short: train, validate, train again, validate, test
 COMPILED = ["--compile", "--epochs", "2", "--max-steps", "21", *CPU]

@@ -21,9 +21,21 @@ import torch
 from common.evaluate import evaluate
 from common.model import create_model, transformer_blocks
 from common.presets import PRESETS
+from conftest import (
+    PROBED_TEST_TIMEOUT,
+    ROOT,
+    SHARDED_RUN,
+    TEXT,
+    WORLD_SIZE,
+    assert_follows,
+    load_script,
+    model_state_bytes,
+    one_process_fp32,
+    script_path,
+    stop,
+)
 from tour.records import RECORD_FIELDS
-from conftest import (PROBED_TEST_TIMEOUT, assert_follows, ROOT, SHARDED_RUN, TEXT, WORLD_SIZE,
-                      load_script, model_state_bytes, one_process_fp32, script_path, stop)
+
 
 @pytest.mark.timeout(PROBED_TEST_TIMEOUT)
 def test_two_processes_follow_the_loss_of_one_with_the_same_global_batch(probed_runs, unsharded):

@@ -15,8 +15,8 @@ import tokenize
 
 import pytest
 
-from steps import STEPS, scripts, step_id
 from conftest import QUICK, ROOT, script_path
+from steps import STEPS, scripts, step_id
 
 # the tag each step puts on the lines it adds (steps.py; also listed in the README)
 TAGS = {step.id: step.tag for step in STEPS.values() if step.tag}

@@ -1,4 +1,5 @@
-"""Steps 01-06 on the tiny preset: each runs, and each technique does what it claims."""
+"""Steps 01-06 on the tiny preset: each runs, and each technique does what it claims; and what
+steps.py says of every script is what the script itself does."""
 import json
 import math
 import os
@@ -11,10 +12,10 @@ import torch
 from common import hub
 from common.model import create_model
 from common.presets import PRESETS
-from tour.records import RECORD_FIELDS
+from conftest import QUICK, ROOT, load_script, model_state_bytes, requires_cuda, run_script, script_path
 from rounding import additions, assert_same_sum
-from conftest import (QUICK, ROOT, load_script, model_state_bytes, requires_cuda, run_script,
-                      script_path)
+from steps import STEPS, import_script
+from tour.records import RECORD_FIELDS
 
 SINGLE_DEVICE_STEPS = ["01", "02", "03", "04", "05", "06"]
 ALWAYS = {name for name, (present, _) in RECORD_FIELDS.items() if present == "always"}
@@ -433,3 +434,36 @@ def test_initial_weights_follow_the_models_own_rules():
             assert torch.all(param == 0), name
         elif param.numel() > 1000:
             assert param.std().item() == pytest.approx(std, rel=0.1), name
+
+
+class Parsed(Exception):
+    """Raised in place of training: the flags the script's own parse_args returned."""
+
+
+def parsed_flags(step, argv, results_dir):
+    """The script's own parse_args(argv), called as its main() calls it, without training."""
+    script = import_script(step.path)
+    parse_args = script.parse_args
+
+    def parse_only(*args, **kwargs):
+        raise Parsed(parse_args(*args, **kwargs))
+    script.parse_args = parse_only
+    with pytest.raises(Parsed) as parsed:
+        script.main([*argv, "--device", "cpu", "--results-dir", str(results_dir)])
+    return parsed.value.args[0]
+
+
+@pytest.mark.parametrize("step", STEPS.values(), ids=lambda step: step.id)
+def test_steps_py_gives_each_script_the_accumulation_and_task_it_parses(step, tmp_path, capsys):
+    """`accum_steps` is the script's --accum-steps default (1: it takes no micro-batches), and
+    `task` the only --task it trains (None: it takes either)."""
+    args = parsed_flags(step, [], tmp_path)
+    assert args.accum_steps == step.accum_steps
+    assert args.task == (step.task or "classification")
+    for other in ("classification", "causal-lm"):
+        if step.trains(other):
+            assert parsed_flags(step, ["--task", other], tmp_path).task == other
+        else:
+            with pytest.raises(SystemExit):
+                parsed_flags(step, ["--task", other], tmp_path)
+            assert f"trains --task {step.task} only" in capsys.readouterr().err

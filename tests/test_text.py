@@ -9,6 +9,7 @@ import shutil
 
 import pytest
 import torch
+from test_steps import assert_accumulation_adds_up_to_the_whole_batch
 
 import common.data
 from common.data import load_data, say_truncated, tokenized, tokenizer_for
@@ -16,7 +17,6 @@ from common.model import create_model
 from common.packaged import PackagedFileError, fetch
 from common.presets import MINILM, PRESETS
 from conftest import QUICK, SMALL_SNIPPET_SPLITS, TEXT, assert_follows, run_script
-from test_steps import assert_accumulation_adds_up_to_the_whole_batch
 
 # the pretrained model as each way of creating it loads it: on the host in float32 (01), then
 # cast (04), on the device in bfloat16 (06), shard by shard from process 0's copy (07; 09 with

@@ -12,7 +12,8 @@ from matplotlib.figure import Figure
 
 from common.atomic_write import atomic_path
 from common.memory import BREAKDOWN_KEYS
-from tour.records import GB, MIB, in_units
+from estimate.records import GB, MIB
+from tour.records import in_units
 
 COLORS = dict(zip(BREAKDOWN_KEYS, ("#4c72b0", "#dd8452", "#55a868", "#c44e52", "#8172b3")))
 NOT_BROKEN_DOWN = "not broken down"  # the gid and legend entry of what a breakdown leaves out

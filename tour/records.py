@@ -2,21 +2,19 @@
 
 A results directory holds one record per numbered script (written by the script itself), tour.json
 (written by `python -m tour`: which steps ran, in what order, and how each ended) and
-estimate.json (written by `python -m estimate`). Records from other versions of the scripts
-may lack fields or hold nulls; every reader here turns those into None instead of failing.
+estimate.json (written by `python -m estimate`; estimate/records.py reads it). Records from other
+versions of the scripts may lack fields or hold nulls; every reader here turns those into None
+instead of failing.
 """
 import json
 import math
 from dataclasses import dataclass, field
 
 from common.memory import BREAKDOWN_KEYS
-from estimate.published import published_reserved_gb
+from estimate.records import breakdown_of, finite, whole_number
 
 TOUR_FILE = "tour.json"
-ESTIMATE_FILE = "estimate.json"
 RECORD_PATTERN = "[0-9][0-9]_*.json"  # the numbered scripts' records
-MIB = 2**20  # the tour's measurements
-GB = 10**9   # the study published decimal gigabytes
 Z_95 = 1.959964  # the standard normal's 97.5th percentile: a two-sided 95% interval
 
 # What results/<script>.json holds (common/summary.py's report writes it), one home: field, when
@@ -65,13 +63,6 @@ RECORD_FIELDS = {
     "losses": ("always", "the training loss of each optimizer step"),
     "final_lr": ("always", "the learning rate after the last step"),
 }
-
-
-def finite(value):
-    """`value` if it is a finite number, else None (missing, null, NaN, text, a boolean)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return None
-    return value if math.isfinite(value) else None
 
 
 def shown(value, spec, suffix=""):
@@ -146,19 +137,6 @@ class StepRow:
         return wilson_interval(self.test_accuracy, self.test_samples)
 
 
-def breakdown_of(record):
-    """A record's `breakdown_bytes` with every category present: a number, or None if missing."""
-    breakdown = record.get("breakdown_bytes")
-    breakdown = breakdown if isinstance(breakdown, dict) else {}
-    return {key: finite(breakdown.get(key)) for key in BREAKDOWN_KEYS}
-
-
-def whole_number(record, name):
-    """`record[name]` as an int, or None when it is missing or not a finite number."""
-    value = finite(record.get(name))
-    return int(value) if value is not None else None
-
-
 def step_row(script, record, outcome=None):
     """Join a script's record (a dict, or None if it wrote none) with how its tour step ended."""
     outcome = outcome or {}
@@ -210,56 +188,3 @@ def load_step_rows(results_dir):
             row.ok, row.error = False, problem
         rows.append(row)
     return rows
-
-
-@dataclass
-class EstimateRow:
-    """One predicted setting: bytes as a GPU would count them, and the study's figure if any."""
-    script: str
-    preset: str | None
-    world_size: int | None
-    batch_size: int | None
-    accum_steps: int | None
-    allocated_bytes: float | None
-    reserved_bytes: float | None
-    published_gb: float | None  # the study's max_memory_reserved for this exact setting
-    breakdown_bytes: dict = field(default_factory=lambda: dict.fromkeys(BREAKDOWN_KEYS))
-    init_allocated_bytes: float | None = None  # model creation's peak on the GPU, per process
-    model_state_bytes_per_parameter: float | None = None  # on the GPU, at the peak
-
-    def setting(self, separator=", "):
-        """The run this prediction is for, in words: "batch 16, 4 micro-batches, 4 GPUs"."""
-        parts = [f"batch {shown(self.batch_size, 'd')}"]
-        if self.accum_steps and self.accum_steps > 1:
-            parts.append(f"{self.accum_steps} micro-batches")
-        if self.world_size and self.world_size > 1:
-            parts.append(f"{self.world_size} GPUs")
-        return separator.join(parts)
-
-
-def estimate_row(record):
-    script = str(record.get("script", "?"))
-    preset, world_size = record.get("preset"), whole_number(record, "world_size")
-    batch_size = whole_number(record, "batch_size")
-    accum_steps = whole_number(record, "accum_steps")
-    single_gpu_article = preset in (None, "article") and world_size in (None, 1)
-    published = (published_reserved_gb(script, batch_size, accum_steps or 1)
-                 if single_gpu_article else None)
-    return EstimateRow(script=script, preset=preset, world_size=world_size, batch_size=batch_size,
-                       accum_steps=accum_steps,
-                       allocated_bytes=finite(record.get("allocated_bytes")),
-                       reserved_bytes=finite(record.get("reserved_bytes")), published_gb=published,
-                       breakdown_bytes=breakdown_of(record),
-                       init_allocated_bytes=finite(record.get("init_allocated_bytes")),
-                       model_state_bytes_per_parameter=finite(
-                           record.get("model_state_bytes_per_parameter")))
-
-
-def load_estimate_rows(results_dir):
-    """(rows, None) from estimate.json, or (None, why there are none)."""
-    records, problem = read_json(results_dir / ESTIMATE_FILE)
-    if problem:
-        return None, problem
-    if not isinstance(records, list):
-        return None, f"{ESTIMATE_FILE} holds no list of records"
-    return [estimate_row(record) for record in records if isinstance(record, dict)], None

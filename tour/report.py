@@ -11,13 +11,20 @@ import sys
 from pathlib import Path
 
 from common.atomic_write import write_text_atomically
-from estimate.published import STUDY_RESERVED_GB
-from steps import with_parent
 from common.memory import BREAKDOWN_KEYS, MODEL_STATE_KEYS
-from estimate.predict import PER_PARAMETER, PER_PARAMETER_NOTE
+from estimate.records import (
+    ESTIMATE_FILE,
+    MIB,
+    PER_PARAMETER,
+    PER_PARAMETER_NOTE,
+    estimate_table,
+    load_estimates,
+    markdown_table,
+    unpredicted_study_figures,
+)
+from steps import STEPS, step_id, with_parent
 from tour.charts import estimate_figure, save_png, tour_figure
-from tour.records import (ESTIMATE_FILE, GB, MIB, in_units, load_estimate_rows,
-                                  load_step_rows, read_tour, shown)
+from tour.records import in_units, load_step_rows, read_tour, shown
 
 TOUR_TABLE, TOUR_CHART = "tour-table.md", "tour-chart.png"
 ESTIMATE_TABLE, ESTIMATE_CHART = "estimate-table.md", "estimate-chart.png"
@@ -29,12 +36,6 @@ def cell(text):
     """`text` made safe for one markdown table cell: one line, no column breaks, not too long."""
     text = " ".join(str(text).split()).replace("|", "\\|")
     return text if len(text) <= ERROR_CELL_CHARS else text[:ERROR_CELL_CHARS - 3] + "..."
-
-
-def markdown_table(header, rows, align):
-    """`align` has one character per column: "l" or "r"."""
-    rule = ["---:" if side == "r" else "---" for side in align]
-    return "\n".join("| " + " | ".join(line) + " |" for line in [header, rule, *rows]) + "\n"
 
 
 def step_name(row):
@@ -128,11 +129,17 @@ def estimate_note(estimate_outcome):
     return f"GPU memory prediction: failed: {cell(estimate_outcome.get('error') or 'n/a')}\n"
 
 
-SYNCHRONIZING_STEPS = ("05a", "05b")  # their optimizers wait for the GPU once per parameter
-SYNCHRONIZING_NOTE = ("05a and 05b on a GPU: their training times include a wait for the GPU "
-                      "per parameter in every optimizer step (bitsandbytes 0.50 synchronizes "
-                      "after each update; torch.optim.Adafactor reads numbers back with .item()), "
-                      "not a cost of storing less optimizer state.\n")
+SYNCHRONIZING_NOTE = (" and ".join(step.id for step in STEPS.values() if step.synchronizes)
+                      + " on a GPU: their training times include a wait for the GPU per "
+                      "parameter in every optimizer step (bitsandbytes 0.50 synchronizes after "
+                      "each update; torch.optim.Adafactor reads numbers back with .item()), not a "
+                      "cost of storing less optimizer state.\n")
+
+
+def synchronizes(row):
+    """Whether the row's step has an optimizer that waits for the GPU (steps.py says which)."""
+    step = STEPS.get(step_id(row.script))
+    return step is not None and step.synchronizes
 
 
 def tour_markdown(rows, tour=None):
@@ -160,7 +167,7 @@ def tour_markdown(rows, tour=None):
     else:
         parts.append(interval_note(rows))
     parts.append(tour_table(rows) if rows else "No steps ran.\n")
-    if "cuda" in devices and any(row.script[:3] in SYNCHRONIZING_STEPS for row in rows):
+    if "cuda" in devices and any(synchronizes(row) for row in rows):
         parts.append(SYNCHRONIZING_NOTE)
     estimate_outcome = tour.get("estimate")
     parts.append(estimate_note(estimate_outcome))
@@ -173,46 +180,22 @@ def tour_markdown(rows, tour=None):
     return "\n".join(part for part in parts if part)
 
 
-def estimate_table(estimates):
-    header = ["script", "setting", "allocated GB", "reserved GB", "study GB", "reserved / study",
-              "creation GB", PER_PARAMETER, "activations GB"]
-    lines = []
-    for estimate in estimates:
-        allocated = in_units(estimate.allocated_bytes, GB)
-        reserved = in_units(estimate.reserved_bytes, GB)
-        published = estimate.published_gb
-        ratio = reserved / published if reserved is not None and published else None
-        lines.append([with_parent(estimate.script), estimate.setting(), shown(allocated, ".2f"),
-                      shown(reserved, ".2f"), shown(estimate.published_gb, ".2f"),
-                      shown(ratio, ".2f"),
-                      shown(in_units(estimate.init_allocated_bytes, GB), ".2f"),
-                      shown(estimate.model_state_bytes_per_parameter, ".2f"),
-                      shown(in_units(estimate.breakdown_bytes["activations"], GB), ".2f")])
-    return markdown_table(header, lines, "llrrrrrrr")
-
-
-def unmatched_published(estimates):
-    """The study's single-GPU figures for settings that no prediction covers."""
-    predicted = {(e.script, e.batch_size, e.accum_steps or 1) for e in estimates
-                 if e.published_gb is not None}
-    return {setting: gb for setting, gb in STUDY_RESERVED_GB.items() if setting not in predicted}
-
-
 def estimate_markdown(estimates):
     """estimate.md: the predictions, each beside the study's figure for the same setting."""
     parts = ["# Predicted peak GPU memory of training\n",
              "Predicted on fake tensors by `python -m estimate`, without a GPU: allocated "
              "as `torch.cuda.max_memory_allocated`, reserved as `torch.cuda.max_memory_reserved`; "
-             "GB = 10^9 bytes. \"study\" is the 2023 study's published `max_memory_reserved` for "
-             "the same script and setting (one A100, PyTorch 2.1 nightly). \"creation\" is the "
+             "GB = 10^9 bytes, MiB = 2^20. \"study\" is the 2023 study's published "
+             "`max_memory_reserved` for the same script and setting (one A100, PyTorch 2.1 "
+             "nightly), only for predictions of that GPU. \"creation\" is the "
              "GPU memory allocated while the model is built, per process (05 builds it in "
              "float32 in host memory, so its GPU figure equals 06's; 07-09 build it on the meta "
              "device and allocate only their shards, offloaded ones in host memory, and stage "
              "each whole parameter on the GPU in turn for its broadcast). "
              + PER_PARAMETER_NOTE + " Here the GPU's bytes: what 08-09 offload is not counted; "
-             "\"activations GB\" is the activations' part of the allocated peak.\n",
+             "\"activations\" is the activations' part of the allocated peak.\n",
              estimate_table(estimates)]
-    missing = unmatched_published(estimates)
+    missing = unpredicted_study_figures(estimates)
     if missing:
         parts.append("Published by the study but not predicted here: " + "; ".join(
             f"{script} at batch {batch}" + (f", {accum} micro-batches" if accum > 1 else "")
@@ -227,7 +210,7 @@ def write_report(results_dir):
     tour_text = tour_markdown(rows, read_tour(results_dir))
     write_text_atomically(results_dir / TOUR_TABLE, tour_text)
     save_png(tour_figure(rows), results_dir / TOUR_CHART)
-    estimates, problem = load_estimate_rows(results_dir)
+    estimates, problem = load_estimates(results_dir)
     if not estimates:
         problem = problem or f"{ESTIMATE_FILE} holds no predictions"
         return tour_text + f"\nGPU estimate chart skipped: {problem}.\n"

@@ -30,21 +30,18 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from common.cli import positive_int
-from common.presets import PRESETS, TASKS, for_task
-from steps import STEPS, scripts as registered_scripts, step_id, step_of
 from common.atomic_write import atomic_path, write_json_atomically
+from common.cli import add_shared_flags, positive_int
+from common.presets import PRESETS, for_task
+from estimate.records import ESTIMATE_FILE
 from estimate.table import processes_for
-from tour.records import ESTIMATE_FILE, TOUR_FILE, read_json
-from tour.report import (ESTIMATE_CHART, ESTIMATE_TABLE, REPORT_FILES, TOUR_CHART,
-                                 TOUR_TABLE, write_report)
+from steps import UnknownStep, select, step_of
+from tour.records import TOUR_FILE, read_json
+from tour.report import ESTIMATE_CHART, ESTIMATE_TABLE, REPORT_FILES, TOUR_CHART, TOUR_TABLE, write_report
 
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPT_PATTERN = "[0-9][0-9]*_*.py"  # the steps 01-09 and their branches (05a_adamw_8bit.py)
 CPU_PROCESSES = 2  # without 2 GPUs the sharded steps run as this many CPU processes
 DEFAULT_PRESET = "tiny"
-GPU_PRESETS = ("article", "imdb")  # sized for a GPU; tiny and tiny-text for a CPU
-ESTIMATED_PRESETS = ("tiny", "article")  # whose tours end with the GPU estimate (article's)
 ESTIMATE_MODULE = "estimate"
 STEP_TIMEOUT = 3 * 3600  # seconds; an article-preset step on one GPU takes well under an hour
 ERROR_LINES = 20  # how much of a failed step's stderr the report keeps
@@ -55,41 +52,21 @@ ARGPARSE_ERROR = re.compile(r"^\S+: error: ")      # "01_baseline.py: error: arg
 
 
 @dataclass
-class Step:
+class Command:
+    """One thing the tour runs: a step's script, or the estimate."""
     name: str            # what the progress lines call it: "03_bf16.py", "estimate"
-    command: list
+    argv: list           # the program and its arguments
     output: str          # the file it must leave in the results directory
     record_name: str     # the name tour.json gives it
 
 
-def find_scripts(scripts_dir=None):
-    """The registered steps (steps.py), or the numbered scripts in `scripts_dir` (stand-ins)."""
+def step_scripts(steps, scripts_dir=None):
+    """The scripts of `steps` (selected by steps.select), or, with `scripts_dir`, their stand-ins
+    there (NN_anything.py; the tests' fakes), for the steps that have one."""
     if scripts_dir is None:
-        return registered_scripts()
-    return sorted(Path(scripts_dir).resolve().glob(SCRIPT_PATTERN))
-
-
-def select_scripts(scripts, wanted, parser):
-    """The scripts named by --steps ("3", "03", "03_bf16", "03_bf16.py", or "05a" for a branch;
-    a number also takes its step's branches), in tour order."""
-    if not wanted:
-        return scripts
-    chosen = set()
-    for token in wanted:
-        matches = [script for script in scripts
-                   if (int(script.name[:2]) == int(token) if token.isdigit()
-                       else Path(token).stem in (script.stem, step_id(script.name)))]
-        if not matches:
-            parser.error(f"--steps: no script {token!r} here; the steps are: "
-                         + " ".join(script.stem for script in scripts))
-        chosen.update(matches)
-    return [script for script in scripts if script in chosen]
-
-
-def trains(script, task):
-    """Whether the script trains --task `task` (steps.py; a script it does not list trains any)."""
-    step = STEPS.get(step_id(script.name))
-    return step is None or step.trains(task)
+        return [step.path for step in steps]
+    return [script for step in steps
+            for script in sorted(Path(scripts_dir).resolve().glob(f"{step.id}_*.py"))]
 
 
 @dataclass
@@ -116,7 +93,7 @@ def sharded_launch(gpu_count, nproc=None, device="auto", preset=DEFAULT_PRESET, 
         raise ValueError("--device cuda with no GPU visible: use --device auto or cpu")
     gpus = f"{gpu_count} GPU{'s' if gpu_count != 1 else ''} visible"
     if device == "cpu" or gpu_count == 0 or (gpu_count == 1 and device == "auto"
-                                             and preset not in GPU_PRESETS):
+                                             and not PRESETS[preset].gpu):
         why = "--device cpu" if device == "cpu" else f"{gpus}; sharding needs one per process"
         kind, wanted = "CPU", nproc or CPU_PROCESSES
     elif gpu_count == 1:
@@ -132,7 +109,7 @@ def sharded_launch(gpu_count, nproc=None, device="auto", preset=DEFAULT_PRESET, 
     return Launch(processes, "cuda", f"{why}: {processes} processes, one per GPU{fewer}")
 
 
-def script_step(script, results_dir, passed_flags, launch):
+def script_command(script, results_dir, passed_flags, launch):
     if step_of(script).sharded:
         launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone",  # a free port
                     f"--nproc_per_node={launch.processes}"]
@@ -140,13 +117,13 @@ def script_step(script, results_dir, passed_flags, launch):
     else:
         launcher = [sys.executable]
     command = [*launcher, str(script), "--results-dir", str(results_dir), *passed_flags]
-    return Step(script.name, command, f"{script.stem}.json", script.stem)
+    return Command(script.name, command, f"{script.stem}.json", script.stem)
 
 
-def estimate_step(results_dir):
+def estimate_command(results_dir):
     """The GPU estimate (article preset)."""
     command = [sys.executable, "-m", ESTIMATE_MODULE, "--results-dir", str(results_dir)]
-    return Step("estimate", command, ESTIMATE_FILE, "estimate")
+    return Command("estimate", command, ESTIMATE_FILE, "estimate")
 
 
 def error_line_index(lines):
@@ -202,13 +179,13 @@ def kill_process_group(process):
         pass
 
 
-def run_step(step, results_dir, position, timeout=STEP_TIMEOUT):
-    """Run one step with its output streaming through; returns its outcome for tour.json."""
-    print(f"\n{position} {step.name} ...", flush=True)
+def run_command(command, results_dir, position, timeout=STEP_TIMEOUT):
+    """Run one Command with its output streaming through; returns its outcome for tour.json."""
+    print(f"\n{position} {command.name} ...", flush=True)
     start = time.perf_counter()
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}  # its lines interleave with ours in order
     # its own process group, so that a hung step is ended with all its workers
-    with subprocess.Popen(step.command, cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True,
+    with subprocess.Popen(command.argv, cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True,
                           errors="replace", start_new_session=True) as process:
         watchdog = threading.Timer(timeout, kill_process_group, [process])
         watchdog.start()
@@ -222,7 +199,7 @@ def run_step(step, results_dir, position, timeout=STEP_TIMEOUT):
             watchdog.cancel()
     seconds = time.perf_counter() - start
     timed_out = seconds >= timeout and returncode != 0
-    _, unreadable = read_json(results_dir / step.output)
+    _, unreadable = read_json(results_dir / command.output)
     error_line, error_lines = error_excerpt(stderr_lines)
     if timed_out:
         error = f"timed out after {timeout:g} s (--step-timeout) and was stopped"
@@ -232,9 +209,9 @@ def run_step(step, results_dir, position, timeout=STEP_TIMEOUT):
         error, error_lines = f"exit status 0 but {unreadable}", []
     else:
         error, error_lines = None, []
-    print(f"{position} {step.name} {'ok' if error is None else 'FAILED, ' + error} "
+    print(f"{position} {command.name} {'ok' if error is None else 'FAILED, ' + error} "
           f"({seconds:.1f} s)", flush=True)
-    return {"script": step.record_name, "returncode": returncode,
+    return {"script": command.record_name, "returncode": returncode,
             "wall_seconds": round(seconds, 1), "status": "ok" if error is None else "failed",
             "error": error, "error_lines": error_lines}
 
@@ -258,24 +235,22 @@ def publish(results_dir, names, publish_dir):
     print(f"copied {', '.join(names)} to {publish_dir}/")
 
 
-def parse_args(argv=None, scripts=()):
+def parse_args(argv=None, scripts_dir=None):
+    """The tour's flags; `args.scripts` are the scripts --steps selects (steps.select), or with
+    `scripts_dir` their stand-ins there (the tests' fakes)."""
     parser = argparse.ArgumentParser(prog="python -m tour", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--preset", choices=sorted(PRESETS), default=DEFAULT_PRESET,
-                        help=f"passed to every script (default: {DEFAULT_PRESET}; tiny-text: "
-                             "the steps on text, without the GPU estimate)")
-    parser.add_argument("--task", choices=TASKS, default="classification",
-                        help="passed to every script (causal-lm: text presets, with the scripts "
-                             "that train it; 05g trains only it)")
+    add_shared_flags(parser, ["--preset", "--task"], {
+        "--preset": (DEFAULT_PRESET, f"{DEFAULT_PRESET}; tiny-text: the steps on text, without "
+                                     "the GPU estimate"),
+        "--task": ("classification", "classification; causal-lm: the scripts that train it")})
     parser.add_argument("--results-dir", type=Path,
                         help="where the records, tables and charts go (default: results, or "
                              "results/PRESET for another preset than tiny, results/PRESET-causal-lm "
                              "under --task causal-lm)")
     parser.add_argument("--steps", nargs="+", metavar="NN",
                         help="run only these steps, e.g. --steps 01 03 (default: all)")
-    parser.add_argument("--max-steps", type=positive_int,
-                        help="passed to every script: stop after this many optimizer steps")
-    parser.add_argument("--epochs", type=positive_int, help="passed to every script")
+    add_shared_flags(parser, ["--max-steps", "--epochs"])
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
                         help="passed to every script (auto: each script's own choice, and the "
                              "sharded steps on the GPUs, or on 2 CPU processes as said above)")
@@ -292,15 +267,13 @@ def parse_args(argv=None, scripts=()):
     args = parser.parse_args(argv)
     try:
         for_task(PRESETS[args.preset], args.task)
+        args.scripts = step_scripts(select(args.steps, args.task), scripts_dir)
+    except UnknownStep as problem:
+        parser.error(f"--steps: {problem}")
     except ValueError as problem:
         parser.error(str(problem))
-    selected = select_scripts(list(scripts), args.steps, parser)
-    args.scripts = [script for script in selected if trains(script, args.task)]
-    if selected and not args.scripts:
-        parser.error(f"--steps {' '.join(args.steps)}: they train another task than --task "
-                     f"{args.task} (add --task {step_of(selected[0]).task})")
     if not args.scripts:
-        parser.error(f"no numbered scripts ({SCRIPT_PATTERN}) found")
+        parser.error(f"no script of the steps selected in {scripts_dir}")
     if args.results_dir is None:
         args.results_dir = Path("results") / ("" if args.preset == DEFAULT_PRESET else args.preset)
         if args.task != "classification":
@@ -324,22 +297,22 @@ def parse_args(argv=None, scripts=()):
 def main(argv=None, scripts_dir=None):
     """Run the tour; returns the exit status (1 if any step failed). `scripts_dir` holds the
     numbered scripts (the tests point it at stand-ins)."""
-    args = parse_args(argv, find_scripts(scripts_dir))
+    args = parse_args(argv, scripts_dir)
     results_dir = args.results_dir.resolve()
     results_dir.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=".tour-", dir=results_dir))
     try:
-        steps = [script_step(script, staging, args.passed_flags, args.launch)
-                 for script in args.scripts]
+        commands = [script_command(script, staging, args.passed_flags, args.launch)
+                    for script in args.scripts]
         if any(step_of(script).sharded for script in args.scripts):
             print(f"sharded steps: {args.launch.reason}", flush=True)
-        estimate = (None if args.skip_estimate or args.preset not in ESTIMATED_PRESETS
-                    or args.task != "classification" else estimate_step(staging))
-        total = len(steps) + (estimate is not None)
-        outcomes = [run_step(step, staging, f"[{number}/{total}]", args.step_timeout)
-                    for number, step in enumerate(steps, 1)]
+        estimate = (None if args.skip_estimate or not PRESETS[args.preset].tour_estimate
+                    or args.task != "classification" else estimate_command(staging))
+        total = len(commands) + (estimate is not None)
+        outcomes = [run_command(command, staging, f"[{number}/{total}]", args.step_timeout)
+                    for number, command in enumerate(commands, 1)]
         if estimate is not None:
-            estimate_outcome = run_step(estimate, staging, f"[{total}/{total}]", args.step_timeout)
+            estimate_outcome = run_command(estimate, staging, f"[{total}/{total}]", args.step_timeout)
         else:
             reason = ("--skip-estimate" if args.skip_estimate
                       else "the tour's GPU estimate predicts the image steps (article preset); "
@@ -351,7 +324,7 @@ def main(argv=None, scripts_dir=None):
             "sharded_launch": vars(args.launch)})
         report_text = write_report(staging)
         report_names = [name for name in REPORT_FILES if (staging / name).is_file()]
-        responsible_for = [TOUR_FILE, TOUR_TABLE, TOUR_CHART, *(step.output for step in steps)]
+        responsible_for = [TOUR_FILE, TOUR_TABLE, TOUR_CHART, *(command.output for command in commands)]
         if estimate is not None:
             responsible_for += [ESTIMATE_FILE, ESTIMATE_TABLE, ESTIMATE_CHART]
         move_results(staging, results_dir, responsible_for)

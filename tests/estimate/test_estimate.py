@@ -10,15 +10,16 @@ import sys
 import pytest
 import torch
 
+from common.model import model_class, model_config
+from common.presets import PRESETS
+from conftest import QUICK, ROOT, TEXT, load_script, model_state_bytes, run_script, script_path
 from estimate.allocation_trace import ALLOC, replay
 from estimate.caching_allocator import MEDIUM_SEGMENT, SMALL_SEGMENT, CachingAllocatorModel
 from estimate.fake_run import EstimateError, run_on_fake_tensors
 from estimate.gpu_choices import CUBLAS_WORKSPACE_BYTES, CUBLAS_WORKSPACES
 from estimate.predict import Row, estimate, predict
-from estimate.table import main as estimate_table, run_rows, select_scripts
-from common.model import model_class, model_config
-from common.presets import PRESETS
-from conftest import QUICK, ROOT, TEXT, model_state_bytes, run_script, script_path
+from estimate.table import main as estimate_table
+from estimate.table import run_rows
 
 NO_EMULATION = ["--device", "cpu"]
 
@@ -39,17 +40,17 @@ def parameter_count(preset_name):
 def test_tiny_estimate_equals_the_peak_the_real_run_measures(name, quick_records):
     real = quick_records[name]  # CPU runs, also where CUDA exists
     predicted = predict(script_path(name), NO_EMULATION)
-    assert predicted["allocated_bytes"] == pytest.approx(real["peak_memory_bytes"], rel=0.01)
-    assert predicted["breakdown_bytes"] == pytest.approx(real["breakdown_bytes"], rel=0.01, abs=4096)
+    assert predicted["allocated_bytes"] == real["peak_memory_bytes"]  # to the byte
+    assert predicted["breakdown_bytes"] == real["breakdown_bytes"]
     assert predicted["parameter_count"] == real["parameter_count"]
-    assert predicted["model_state_bytes_per_parameter"] == pytest.approx(
-        real["model_state_bytes_per_parameter"], rel=0.01)
+    assert predicted["model_state_bytes_per_parameter"] == real["model_state_bytes_per_parameter"]
 
 
 @pytest.mark.parametrize("name", ["01", "04", "07"])
 def test_tiny_text_estimate_equals_the_peak_the_real_run_measures(name, small_snippets, tmp_path):
     """Token ids and a padding mask in place of images; a pretrained model whose new head only
-    is drawn at creation."""
+    is drawn at creation. The peak to the byte; creation within 0.1% (01's real creation holds
+    1,016 bytes of 90.9 MB more than predicted, a difference not traced)."""
     real, _ = run_script(name, [*TEXT, *QUICK], tmp_path)
     predicted = predict(script_path(name), [*TEXT, *NO_EMULATION], world_size=1)
     assert predicted["allocated_bytes"] == real["peak_memory_bytes"]
@@ -63,7 +64,8 @@ def test_tiny_text_estimate_equals_the_peak_the_real_run_measures(name, small_sn
 def test_sharded_tiny_estimate_equals_the_real_single_process_run(name, tmp_path):
     real, _ = run_script(name, QUICK, tmp_path)  # QUICK runs on the CPU
     predicted = predict(script_path(name), NO_EMULATION, world_size=1)
-    assert predicted["allocated_bytes"] == pytest.approx(real["peak_memory_bytes"], rel=0.01)
+    assert predicted["allocated_bytes"] == real["peak_memory_bytes"]  # to the byte
+    assert predicted["breakdown_bytes"] == real["breakdown_bytes"]
 
 
 def test_the_recorded_order_replays_to_memtrackers_own_peak():
@@ -163,9 +165,12 @@ def test_bad_input_gets_a_message_that_says_what_to_do(tmp_path, capsys, monkeyp
     with pytest.raises(SystemExit, match="WORLD_SIZE='four' is not a positive whole number"):
         estimate(str(script_path("07")), ["--estimate", "--results-dir", str(tmp_path)])
 
-    scripts, notes = select_scripts(["01", "99"])
-    assert [script.name[:2] for script in scripts] == ["01"]
-    assert any("99" in note and "no numbered script" in note for note in notes)
+    with pytest.raises(SystemExit, match="--steps: no script '99'; the scripts are: 01 02"):
+        estimate_table(["--steps", "01", "99", "--results-dir", str(tmp_path)])
+    with pytest.raises(SystemExit) as stop:  # the flag's old name
+        estimate_table(["--scripts", "01", "--results-dir", str(tmp_path)])
+    assert stop.value.code == 2
+    assert "--scripts is now --steps (as in python -m tour): --steps 01" in capsys.readouterr().err
 
 
 def test_a_script_estimate_updates_its_own_record_and_keeps_the_others(tmp_path):
@@ -189,8 +194,29 @@ def test_the_estimate_flag_works_from_the_command_line(tmp_path):
     assert record["script"] == "03_bf16" and record["batch_size"] == 16 and record["device"] == "cuda"
 
 
+def test_a_scripts_estimate_takes_the_gpu_and_world_size_the_table_takes(tmp_path, capsys):
+    """`python 03_bf16.py --estimate --gpu v100` predicts what `python -m estimate --steps 03
+    --gpu v100` does; without --estimate the flags are refused, saying why."""
+    flags = ["--estimate", "--results-dir", str(tmp_path)]
+    load_script("03").main([*flags, "--gpu", "v100"])
+    load_script("07").main([*flags, "--world-size", "2"])
+    records = {record["script"]: record
+               for record in json.loads((tmp_path / "estimate.json").read_text())}
+    assert records["03_bf16"]["gpu"] == "V100" and records["07_fsdp"]["world_size"] == 2
+    as_the_table = predict(script_path("03"), ["--preset", "tiny", "--device", "cuda"], gpu="v100")
+    assert records["03_bf16"]["allocated_bytes"] == as_the_table["allocated_bytes"]
+    for name, flag, said in [("03", ["--gpu", "v100"], "--gpu names the GPU --estimate emulates"),
+                             ("07", ["--world-size", "2"], "--world-size is the process count")]:
+        with pytest.raises(SystemExit) as stop:
+            load_script(name).main([*flag, "--results-dir", str(tmp_path)])
+        assert stop.value.code == 2
+        assert f"{said}" in capsys.readouterr().err
+    with pytest.raises(SystemExit, match="--gpu x100: the GPUs emulated are a100, h100, t4, v100"):
+        load_script("03").main([*flags, "--gpu", "x100"])
+
+
 def test_the_table_covers_each_script_and_its_world_size(tmp_path, capsys):
-    status = estimate_table(["--preset", "tiny", "--scripts", "02", "07", "--world-size", "2",
+    status = estimate_table(["--preset", "tiny", "--steps", "02", "07", "--world-size", "2",
                              "--jobs", "1", "--results-dir", str(tmp_path)])
     assert status == 0
     table = capsys.readouterr().out
@@ -245,6 +271,7 @@ def test_emulation_adds_the_cublas_workspaces():
     (torch.bfloat16, "ScaledDotProductFlashAttentionBackward0", 197)])
 def test_gpu_attention_takes_the_kernel_cuda_takes_for_the_dtype(dtype, kernel, kept_rows):
     from torch._subclasses.fake_tensor import FakeTensorMode
+
     from estimate.gpu_choices import gpu_attention
     with FakeTensorMode():
         query = torch.empty(2, 197, 4, 32, dtype=dtype).transpose(1, 2).requires_grad_()
@@ -261,6 +288,7 @@ def test_gpu_attention_takes_the_kernel_cuda_takes_for_the_dtype(dtype, kernel, 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gpu_attention_with_a_padding_mask_keeps_it_as_a_bias(dtype, keys, kept_keys):
     from torch._subclasses.fake_tensor import FakeTensorMode
+
     from estimate.gpu_choices import gpu_attention
     with FakeTensorMode():
         query = torch.empty(2, keys, 4, 32, dtype=dtype).transpose(1, 2).requires_grad_()
@@ -384,7 +412,7 @@ def test_a_gpu_without_flash_attention_keeps_bfloat16_attention_on_the_math_path
 
 
 def test_the_table_takes_a_gpu_and_compares_with_the_study_only_on_its_a100(tmp_path, capsys):
-    status = estimate_table(["--preset", "tiny", "--gpu", "t4", "--scripts", "03", "--jobs", "1",
+    status = estimate_table(["--preset", "tiny", "--gpu", "t4", "--steps", "03", "--jobs", "1",
                              "--results-dir", str(tmp_path)])
     assert status == 0
     records = json.loads((tmp_path / "estimate.json").read_text())

@@ -5,9 +5,9 @@ import sys
 
 import pytest
 
+from conftest import ROOT, script_path
 from estimate.fit import Fit, accumulation_for, parse_size, search
 from estimate.predict import Row, attempt, predict
-from conftest import ROOT, script_path
 
 SMALL_BERT = dict(model_type="bert", vocab_size=30522, hidden_size=64, num_hidden_layers=2,
                   num_attention_heads=2, intermediate_size=128)

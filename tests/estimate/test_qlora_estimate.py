@@ -12,11 +12,11 @@ from bitsandbytes import functional
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
 from common.memory import FrozenWeightsMemTracker, quantization_tensors
+from conftest import QUICK, TEXT, load_script, run_script, script_path
 from estimate.fake_4bit import fused_on_gpu, stand_ins
 from estimate.fake_tensor_patches import swappable_fake_parameters
 from estimate.gpu_choices import GPUS
 from estimate.predict import predict
-from conftest import QUICK, TEXT, load_script, run_script, script_path
 
 NO_EMULATION = ["--device", "cpu"]
 # outputs x inputs: whole blocks of 64; a part block and scales not in whole groups of 256

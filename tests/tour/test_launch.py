@@ -21,7 +21,7 @@ from tour import runner
     (0, 3, "tiny", (64, 4), 2, "cpu"),        # --nproc 3 on the CPU: 64 does not split in 12
 ])
 def test_sharded_steps_take_one_gpu_per_process_as_the_batch_splits(gpus, nproc, preset, split,
-                                                                     processes, device):
+                                                                    processes, device):
     launch = runner.sharded_launch(gpus, nproc, "auto", preset, split)
     assert (launch.processes, launch.device) == (processes, device)
     assert f"{gpus} GPU" in launch.reason  # the table says why
@@ -53,15 +53,15 @@ def test_the_tour_takes_the_split_from_its_preset_and_the_sharded_scripts(
     """The tour reads the preset's batch and 07's micro-batches itself (faked GPU counts)."""
     import torch
     monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
-    args = runner.parse_args(["--preset", preset, "--steps", "07"], runner.find_scripts())
+    args = runner.parse_args(["--preset", preset, "--steps", "07"])
     assert args.launch.processes == processes
 
 
 def test_the_launch_goes_into_the_sharded_steps_commands(tmp_path):
     script = tmp_path / "07_fsdp.py"
     launch = runner.Launch(processes=4, device="cuda", reason="4 GPUs")
-    step = runner.script_step(script, tmp_path, ["--max-steps", "2"], launch)
-    assert "--nproc_per_node=4" in step.command
-    assert step.command[-2:] == ["--device", "cuda"]
-    single = runner.script_step(tmp_path / "03_bf16.py", tmp_path, ["--max-steps", "2"], launch)
-    assert "--device" not in single.command and "torch.distributed.run" not in single.command
+    command = runner.script_command(script, tmp_path, ["--max-steps", "2"], launch)
+    assert "--nproc_per_node=4" in command.argv
+    assert command.argv[-2:] == ["--device", "cuda"]
+    single = runner.script_command(tmp_path / "03_bf16.py", tmp_path, ["--max-steps", "2"], launch)
+    assert "--device" not in single.argv and "torch.distributed.run" not in single.argv

@@ -1,4 +1,5 @@
 """The tour: the report built from recorded JSON, and the command that runs and collects steps."""
+import json
 import shutil
 import subprocess
 import sys
@@ -12,11 +13,19 @@ import torch
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 
 from common.memory import BREAKDOWN_KEYS
+from conftest import QUICK, ROOT
+from estimate.records import GB, MIB, load_estimates, published_gb
 from tour import runner as tour
 from tour.charts import NOT_BROKEN_DOWN, estimate_figure, tour_figure
-from tour.records import GB, MIB, load_estimate_rows, load_step_rows, wilson_interval
-from tour.report import ESTIMATE_CHART, ESTIMATE_TABLE, TOUR_CHART, TOUR_TABLE, write_report
-from conftest import QUICK, ROOT
+from tour.records import load_step_rows, wilson_interval
+from tour.report import (
+    ESTIMATE_CHART,
+    ESTIMATE_TABLE,
+    TOUR_CHART,
+    TOUR_TABLE,
+    estimate_markdown,
+    write_report,
+)
 
 FIXTURES = Path(__file__).parent / "fixtures"
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -112,14 +121,34 @@ def test_report_estimate_table_marks_the_studys_figures(recorded):
     write_report(recorded)
     rows = table_rows((recorded / ESTIMATE_TABLE).read_text())
     # setting, allocated, reserved, study, ratio, creation, model state B/param, activations
-    assert rows["01_baseline"] == ["batch 64", "25.10", "26.50", "26.84", "0.99",
-                                   "n/a", "16.00", "19.00"]  # no creation
-    assert rows["02_mixed_precision"][2:5] == ["n/a", "18.21", "n/a"]  # no reserved figure recorded
-    assert rows["02_mixed_precision"][6:] == ["n/a", "n/a"]  # nor a breakdown
+    assert rows["01_baseline"] == ["batch 64", "25.10 GB", "26.50 GB", "26.84 GB", "0.99",
+                                   "n/a", "16.00", "19.00 GB"]  # no creation
+    # no reserved figure recorded, so no ratio; nor a breakdown
+    assert rows["02_mixed_precision"][2:5] == ["n/a", "18.21 GB", ""]
+    assert rows["02_mixed_precision"][6:] == ["n/a", "n/a"]
     assert rows["04_grad_accum"][:1] == ["batch 16, 4 micro-batches"]
-    assert rows["07_fsdp"][3:5] == ["n/a", "n/a"]  # the study has no 4-GPU figure for this setting
-    assert rows["07_fsdp"][5:] == ["0.16", "8.00", "0.70"]  # creation, per GPU
+    assert rows["07_fsdp"][3:5] == ["", ""]  # the study has no 4-GPU figure for this setting
+    assert rows["07_fsdp"][5:] == ["0.16 GB", "8.00", "0.70 GB"]  # creation, per GPU
     assert "03_bf16 at batch 64: 13.82 GB" in (recorded / ESTIMATE_TABLE).read_text()
+
+
+def test_a_t4_record_is_not_compared_with_the_studys_a100_figure(recorded):
+    """The study measured on one A100: a prediction for a T4 (python -m estimate --gpu t4) of
+    the very setting it published is shown without the study's figure, in the estimate's table,
+    the tour's and the chart alike (all read estimate/records.py)."""
+    estimate_file = recorded / "estimate.json"
+    records = json.loads(estimate_file.read_text())
+    [a100] = [record for record in records if record["script"] == "01_baseline"]
+    t4 = {**a100, "gpu": "T4"}
+    assert published_gb(a100) == 26.84 and published_gb(t4) is None
+    assert published_gb({**a100, "device": "cpu"}) is None  # a CPU count is no GPU's either
+    estimate_file.write_text(json.dumps([t4]))
+    [estimate], _ = load_estimates(recorded)
+    assert estimate.published_gb is None and estimate.ratio() is None
+    assert table_rows(estimate_markdown([estimate]))["01_baseline"][3:5] == ["", ""]
+    study_bars = [bar for bar in panel(estimate_figure([estimate]), "memory").patches
+                  if bar.get_gid() == "published"]
+    assert study_bars == []
 
 
 def test_report_writes_valid_charts(recorded):
@@ -185,7 +214,7 @@ def test_tour_chart_magnifies_a_step_too_short_to_read(recorded):
 
 
 def test_estimate_bars_stack_to_allocated_with_reserved_marked(recorded):
-    estimates, _ = load_estimate_rows(recorded)
+    estimates, _ = load_estimates(recorded)
     memory_ax = panel(estimate_figure(estimates), "memory")
     heights = stacked_heights(memory_ax)
     assert heights == pytest.approx({column: estimate.allocated_bytes / GB
@@ -204,7 +233,7 @@ def test_estimate_bars_stack_to_allocated_with_reserved_marked(recorded):
 
 
 def test_estimate_chart_marks_only_published_settings(recorded):
-    estimates, _ = load_estimate_rows(recorded)
+    estimates, _ = load_estimates(recorded)
     memory_ax = panel(estimate_figure(estimates), "memory")
     study_bars = [bar for bar in memory_ax.patches if bar.get_gid() == "published"]
     assert sorted(round(bar.get_height(), 2) for bar in study_bars) == [3.91, 5.69, 18.21, 26.84]
@@ -213,7 +242,7 @@ def test_estimate_chart_marks_only_published_settings(recorded):
 
 
 def test_estimate_chart_magnifies_settings_too_small_to_read(recorded):
-    estimates, _ = load_estimate_rows(recorded)
+    estimates, _ = load_estimates(recorded)
     figure = rendered(estimate_figure(estimates))
     largest = max(max(e.allocated_bytes or 0, e.reserved_bytes or 0, (e.published_gb or 0) * GB)
                   for e in estimates)
@@ -247,7 +276,7 @@ def test_tour_chart_lower_labels_do_not_overlap(recorded):
 
 
 def test_estimate_chart_labels_do_not_overlap(recorded):
-    estimates, _ = load_estimate_rows(recorded)
+    estimates, _ = load_estimates(recorded)
     overlaps, count = overlapping_texts(estimate_figure(estimates), ["memory", "zoom"])
     assert overlaps == [] and count >= len(estimates)
 
@@ -269,7 +298,7 @@ def test_report_without_tour_json_or_estimate(recorded):
 def fake_estimate_step(results_dir):
     command = [sys.executable, str(FIXTURES / "fake_estimate.py"), "--results-dir",
                str(results_dir)]
-    return tour.Step("estimate", command, "estimate.json", "estimate")
+    return tour.Command("estimate", command, "estimate.json", "estimate")
 
 
 def test_tour_shows_failed_steps_and_runs_the_rest(tmp_path, monkeypatch, capfd):
@@ -278,7 +307,7 @@ def test_tour_shows_failed_steps_and_runs_the_rest(tmp_path, monkeypatch, capfd)
     # a previous run's files: a record for a step that will now fail, and its table
     (results / "03_writes_nothing.json").write_text('{"script": "03_writes_nothing", "steps": 9}')
     (results / TOUR_TABLE).write_text("stale table\n")
-    monkeypatch.setattr(tour, "estimate_step", fake_estimate_step)
+    monkeypatch.setattr(tour, "estimate_command", fake_estimate_step)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)  # the CPU's launch, on any machine
 
     status = tour.main(["--results-dir", str(results), "--max-steps", "2", "--publish", str(docs)],
@@ -337,7 +366,7 @@ def test_tour_rejects_unknown_steps(capsys):
     with pytest.raises(SystemExit) as exit_info:
         tour.main(["--steps", "01", "42"])
     assert exit_info.value.code == 2
-    assert "--steps: no script '42' here; the steps are: 01_baseline" in capsys.readouterr().err
+    assert "--steps: no script '42'; the scripts are: 01 02 03 04 04a" in capsys.readouterr().err
 
 
 def test_tour_runs_two_real_steps(tmp_path):
