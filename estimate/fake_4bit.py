@@ -75,6 +75,7 @@ class Linear4bit(BitsandbytesLinear4bit):
     """bitsandbytes' Linear4bit (same arguments, its own forward) around a stand-in Params4bit."""
 
     on_gpu = False  # emulating CUDA: add what its gemm_4bit allocates beside its output
+    gpu = None  # the emulated GPU (gpu_choices.GPUS' value) whose rule picks gemm_4bit's kernel
 
     def __init__(self, input_features, output_features, bias=True, compute_dtype=None,
                  compress_statistics=True, quant_type="fp4", quant_storage=torch.uint8,
@@ -109,10 +110,11 @@ class Linear4bit(BitsandbytesLinear4bit):
             return super().forward(x)
 
 
-def stand_ins(emulate_cuda):
-    """The stand-ins for the names a script imports from bitsandbytes.nn, by name."""
+def stand_ins(emulate_cuda, gpu=gpu_choices.GPUS[gpu_choices.DEFAULT_GPU]):
+    """The stand-ins for the names a script imports from bitsandbytes.nn, by name; `gpu` the
+    emulated GPU (a value of gpu_choices.GPUS), whose kernel rule the forward follows."""
     return {"Params4bit": Params4bit,
-            "Linear4bit": type("Linear4bit", (Linear4bit,), {"on_gpu": emulate_cuda})}
+            "Linear4bit": type("Linear4bit", (Linear4bit,), {"on_gpu": emulate_cuda, "gpu": gpu})}
 
 
 @contextmanager
@@ -123,7 +125,7 @@ def dequantized_on_gpu(layer, x):
     state = layer.weight.quant_state
     rows, (outputs, inputs) = x.numel() // x.shape[-1], state.shape
     dtype = layer.compute_dtype or x.dtype
-    if fused_on_gpu(rows, outputs, inputs, state.blocksize, dtype):
+    if fused_on_gpu(rows, outputs, inputs, state.blocksize, dtype, layer.gpu):
         yield
         return
     held = []
@@ -137,12 +139,12 @@ def dequantized_on_gpu(layer, x):
         held.clear()
 
 
-def fused_on_gpu(rows, outputs, inputs, blocksize, dtype, gpu=None):
+def fused_on_gpu(rows, outputs, inputs, blocksize, dtype, gpu):
     """Whether CUDA's gemm_4bit runs its fused kernel (no dequantized copy) for `rows` rows
     times an outputs x inputs weight on the emulated GPU: its kernel's rule, which leaves more
     rows than _gemm_4bit_custom_max_m or inputs not in whole blocks to dequantize-then-linear,
     and asks bitsandbytes' per-architecture rule for the rest."""
-    rule = cuda_rule((gpu or gpu_choices.chosen).name)
+    rule = cuda_rule(gpu.name)
     if rows > rule["_gemm_4bit_custom_max_m"] or inputs % blocksize:
         return False
     return rule["_gemm_4bit_use_custom_cuda"](0, dtype, rows, outputs, inputs)

@@ -291,7 +291,7 @@ def run_on_fake_tensors(script_path, argv, world_size=1, gpu=gpu_choices.DEFAULT
     replacements = stand_ins(run, world_size)
     if "Params4bit" in required_names(module):  # 07b: its script has imported bitsandbytes
         from estimate.fake_4bit import stand_ins as four_bit_stand_ins
-        replacements.update(four_bit_stand_ins(emulate_cuda))
+        replacements.update(four_bit_stand_ins(emulate_cuda, gpu_choices.GPUS[run.gpu]))
     for name in required_names(module):
         setattr(module, name, replacements[name])
     script_argv = [*without_estimate_flag(argv), *QUICK_RUN, "--device", "cpu"]
