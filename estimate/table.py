@@ -196,6 +196,7 @@ def main(argv=None):
     flags = model_flags(args)
     if args.stack_only:
         print(the_stack(args, flags))
+        print(f"wall time {time.perf_counter() - start:.1f} s")
         return 0
     notes = [f"{step.name} trains --task {step.task} only: add --task {step.task} to estimate it"
              for step in select(args.steps) if args.steps and step not in steps]
