@@ -28,20 +28,28 @@ from torch.utils.checkpoint import checkpoint  # checkpointing on one device
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 from transformers.pytorch_utils import Conv1D  # LoRA: GPT-2's linear layers, weights transposed
 
+try:  # 8-bit AdamW, QLoRA: from bitsandbytes (requirements.txt pins it)
+    from bitsandbytes.nn import Linear4bit, Params4bit
+    from bitsandbytes.optim import AdamW8bit
+    NO_BITSANDBYTES = None
+except ImportError as error:  # said when --optimizer adamw-8bit or --qlora needs it (main)
+    NO_BITSANDBYTES = f"bitsandbytes ({error}). Install it with pip install bitsandbytes==0.50.2 " \
+                      "(as requirements.txt pins)"
+
 # --estimate runs main() on fake tensors with stand-ins for these names (no data, no download):
 # keep importing them by name. The list and the reasons: estimate/contract.py.
 from common.cli import check_batch_split, parse_args, positive_float, positive_int, true_or_false
 from common.data import IGNORED, load_data, split_batch, to_device  # chunked loss: IGNORED
 from common.distributed import end_distributed, init_distributed
 from common.evaluate import evaluate
-from common.memory import MemoryMeter, measure_creation
+from common.memory import HOST, MemoryMeter, measure_creation
 from common.model import classification_head, create_model, fill_shards, transformer_blocks
 from common.presets import preset_for
 from common.progress import Progress
+from common.quirks import BlockWrapper, check_plain_output_layer, keep_training_layout
 from common.summary import report
 
 PRECISIONS = {"fp32": torch.float32, "mixed": torch.float32, "bf16": torch.bfloat16}  # 01, 02, 03
-HOST = torch.device("cpu")  # Adam on the host, activation offloading: host memory (the estimate moves it)
 
 
 def stochastic_round(values):  # stochastic rounding: float32 to bfloat16, up or down at random
@@ -90,12 +98,11 @@ class AdamStochasticRounding(torch.optim.Optimizer):  # stochastic rounding
 
 
 ATEN = torch.ops.aten  # selective checkpointing: the operators whose outputs forward keeps
-SAVED = [ATEN.mm.default, ATEN.addmm.default, ATEN.bmm.default,  # selective checkpointing
-         ATEN.baddbmm.default, ATEN.convolution.default,  # selective checkpointing
-         ATEN._scaled_dot_product_flash_attention_for_cpu.default,  # selective checkpointing
-         ATEN._scaled_dot_product_flash_attention.default,  # selective checkpointing
-         ATEN._scaled_dot_product_efficient_attention.default,  # selective checkpointing
-         ATEN._scaled_dot_product_cudnn_attention.default]  # selective checkpointing
+SAVED = [ATEN.mm.default, ATEN.addmm.default, ATEN.bmm.default, ATEN.baddbmm.default,
+         ATEN.convolution.default, ATEN._scaled_dot_product_flash_attention_for_cpu.default,
+         ATEN._scaled_dot_product_flash_attention.default,
+         ATEN._scaled_dot_product_efficient_attention.default,
+         ATEN._scaled_dot_product_cudnn_attention.default]
 
 
 def keep_or_recompute(context, op, *args, **kwargs):  # selective checkpointing: per operator
@@ -108,7 +115,7 @@ def keep_or_recompute(context, op, *args, **kwargs):  # selective checkpointing:
     return CheckpointPolicy.PREFER_RECOMPUTE
 
 
-def keep_saved():  # selective checkpointing: a fresh pair of contexts for each checkpointed call
+def selective_contexts():  # selective checkpointing: a fresh pair for each checkpointed call
     return create_selective_checkpoint_contexts(keep_or_recompute)
 
 
@@ -142,7 +149,7 @@ class OffloadedInputs(torch.autograd.graph.saved_tensors_hooks):  # activation o
         return host.to(device, non_blocking=True)
 
 
-class CheckpointedBlock(torch.nn.Module):  # checkpointing on one device
+class CheckpointedBlock(BlockWrapper):  # checkpointing on one device
     """Runs `block` keeping only its input for backward, where the block runs forward again."""
 
     def __init__(self, block, offload, selective):  # activation offloading, selective checkpointing
@@ -157,21 +164,11 @@ class CheckpointedBlock(torch.nn.Module):  # checkpointing on one device
         with self.offload:  # activation offloading: checkpoint saves the input under its hooks
             if self.selective:  # selective checkpointing: keep the outputs keep_or_recompute names
                 return checkpoint(self.block, hidden_states, *args, use_reentrant=False,
-                                  context_fn=keep_saved, **kwargs)  # selective checkpointing
+                                  context_fn=selective_contexts, **kwargs)  # selective checkpointing
             return checkpoint(self.block, hidden_states, *args, use_reentrant=False, **kwargs)
-
-    def __getattr__(self, name):  # checkpointing on one device: what the model reads of its blocks
-        try:  # (ModernBERT each block's attention_type) is read through the wrapper
-            return super().__getattr__(name)
-        except AttributeError:
-            return getattr(self.block, name)
 
 
 LOSS_CHUNKS = 8  # chunked loss: pieces of the sequence whose logits exist one at a time
-# chunked loss: what some decoders do after their output layer (Gemma 2 caps the logits, Cohere
-# and Granite scale them, mixture-of-experts models add a router loss), which chunked_loss does not
-AFTER_THE_OUTPUT_LAYER = ("final_logit_softcapping", "logit_scale", "logits_scaling",
-                          "output_router_logits")
 
 
 def piece_loss(head, hidden, targets):  # chunked loss
@@ -213,41 +210,40 @@ class LoRALinear(torch.nn.Module):  # LoRA
 
 def add_adapters(model, rank, alpha, targets=None):  # LoRA
     """Freeze `model`, put an adapter on each linear layer of its blocks (those named in
-    `targets`, if given) and train the adapters and the classification head; returns the names."""
+    `targets`, if given) and train the adapters and a classifier's new head; returns the names."""
     model.requires_grad_(False)
     adapted = []
     for block in transformer_blocks(model):
         for name, module in list(block.named_modules()):
             parent, _, attribute = name.rpartition(".")
             if isinstance(module, (torch.nn.Linear, Conv1D)) and attribute in (targets or [attribute]):
+                width = min(module.weight.shape)  # B A's rank is at most the layer's narrower side
+                if rank > width:
+                    shape = " x ".join(map(str, module.weight.shape))
+                    raise SystemExit(f"error: --lora-rank {rank} is larger than the layer {name!r} (a "
+                                     f"{shape} weight): its update cannot have a rank above {width}, "
+                                     "and adapters that large hold more weights than the layer. Use "
+                                     f"a --lora-rank well below {width}, such as 8")
                 setattr(block.get_submodule(parent), attribute, LoRALinear(module, rank, alpha))
                 adapted.append(attribute)
     if not adapted:
         raise SystemExit(f"error: no linear layer in the model's blocks is named {' or '.join(targets)}"
                          if targets else "error: the model's blocks have no linear layer for LoRA to "
                          "adapt (a convolutional network's have none): train it without --lora-rank")
-    classification_head(model).requires_grad_(True)  # LoRA: the new head is trained in full
+    classification_head(model).requires_grad_(True)  # a new head (a classifier's) trains in full
     return sorted(set(adapted))
 
 
 def in_four_bits(layer):  # QLoRA
     """The frozen linear `layer` (or GPT-2's Conv1D) as a Linear4bit: its weight quantized to
     NF4 as it is moved onto its device, its products computed in the weight's precision."""
-    try:  # QLoRA: 4-bit layers from bitsandbytes (requirements.txt pins it)
-        from bitsandbytes.nn import Linear4bit, Params4bit
-    except ImportError as error:  # QLoRA
-        raise SystemExit(f"error: --qlora needs bitsandbytes' Linear4bit ({error}). Install it with "
-                         "pip install bitsandbytes==0.50.2 (as requirements.txt pins), or leave "
-                         "--qlora out.")
     weight = layer.weight.T if isinstance(layer, Conv1D) else layer.weight  # outputs x inputs
     four_bit = Linear4bit(weight.shape[1], weight.shape[0], bias=layer.bias is not None,
                           compute_dtype=weight.dtype, quant_type="nf4", device="meta")
     four_bit.weight = Params4bit(weight.contiguous(), requires_grad=False, quant_type="nf4",
                                  blocksize=64, compress_statistics=True, module=four_bit)
     four_bit.bias = layer.bias  # frozen, in bfloat16
-    # on CPUs with AVX512-BF16, bitsandbytes repacks the weight for inference at the first
-    # evaluation, for good: a layout its training path cannot read (and small layers cannot take)
-    four_bit.support_avx512bf16_for_cpu = False
+    keep_training_layout(four_bit)  # on CPUs with AVX512-BF16 too (common/quirks.py)
     return four_bit.to(weight.device)  # quantized here; the bfloat16 weight is freed with `layer`
 
 
@@ -272,12 +268,6 @@ def make_optimizer(weights, args, preset):
     if args.optimizer == "adafactor":
         return torch.optim.Adafactor(weights, lr=lr)  # Adafactor: relative
     if args.optimizer == "adamw-8bit":
-        try:  # 8-bit AdamW: from bitsandbytes (requirements.txt pins it)
-            from bitsandbytes.optim import AdamW8bit
-        except ImportError as error:
-            raise SystemExit(f"error: --optimizer adamw-8bit needs bitsandbytes' AdamW8bit ({error}). "
-                             "Install it with pip install bitsandbytes==0.50.2 (as requirements.txt "
-                             "pins), or choose another --optimizer.")
         return AdamW8bit(weights, lr=lr, weight_decay=0.0)  # 8-bit AdamW
     if args.stochastic_rounding:
         return AdamStochasticRounding(weights, lr=lr)  # stochastic rounding
@@ -362,12 +352,7 @@ def train(args, device):
             if args.lora_rank:
                 add_adapters(model, args.lora_rank, args.lora_alpha, args.lora_targets)  # LoRA
         if args.loss == "chunked":
-            changed = [name for name in AFTER_THE_OUTPUT_LAYER  # chunked loss: only the plain head
-                       if getattr(model.config, name, None) not in (None, False, 1, 1.0)]
-            if changed:  # chunked loss
-                raise SystemExit(f"error: this model's config sets {', '.join(changed)}: its loss is more "
-                                 "than cross-entropy over its output layer, which the chunked loss "
-                                 "computes. Train it with --loss model")
+            check_plain_output_layer(model.config, "Train it with --loss model")  # chunked loss
         if args.qlora:
             for adapter in [module for module in model.modules() if isinstance(module, LoRALinear)]:  # QLoRA
                 adapter.base = in_four_bits(adapter.base)  # QLoRA: one layer at a time
@@ -549,14 +534,13 @@ def main(argv=None):
     problem = refusal(args)
     if problem:
         raise SystemExit(f"error: {problem}")
+    needs = "--qlora" if args.qlora else "--optimizer adamw-8bit" if args.optimizer == "adamw-8bit" else None
+    if needs and NO_BITSANDBYTES:
+        raise SystemExit(f"error: {needs} needs {NO_BITSANDBYTES}; or leave {needs} out")
     args.lora_alpha = args.lora_alpha or 16.0
     if args.reshard_after_forward is None:
         args.reshard_after_forward = True
     if args.estimate:  # predict instead: this script's main() on fake tensors (estimate/)
-        if args.qlora:
-            raise SystemExit("error: --estimate with --qlora: bitsandbytes' 4-bit weights cannot "
-                             "be made from fake tensors; estimate --lora-rank alone and take 1.48 "
-                             "bytes off per quantized weight (docs/branches.md)")
         from estimate import estimate
         return estimate(__file__, argv)
     if not launched_sharded(args):
@@ -570,4 +554,5 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    from common.cli import run_main  # Ctrl-C: one line instead of a traceback
+    run_main(main)

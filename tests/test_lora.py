@@ -84,7 +84,7 @@ def test_lora_targets_choose_the_adapted_layers(tmp_path, capsys):
         run_script("07a", [*QUICK, "--lora-targets", "query"], tmp_path)
 
 
-@pytest.mark.parametrize("script", ["07a", "07b"])
+@pytest.mark.parametrize("script", ["07a", "07b", "10"])  # 10: with --lora-rank
 def test_a_lora_rank_above_a_layers_width_stops_before_training_saying_what_to_use(script, tmp_path):
     """B A, the update of a layer of n inputs and m outputs, has rank min(n, m) at most, and its
     adapters hold more weights than the layer long before: a larger --lora-rank is refused with a

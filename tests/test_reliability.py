@@ -11,7 +11,7 @@ import pytest
 
 import common.summary
 from conftest import QUICK, ROOT, load_script, run_script, script_path
-from steps import scripts
+from steps import STEPS
 
 
 @pytest.mark.parametrize("where", ["/proc/no-such-dir", "{file}"])
@@ -81,7 +81,8 @@ def test_parsing_a_scripts_command_line_leaves_pythons_hooks_alone(tmp_path):
 
 def test_every_script_runs_its_main_through_the_same_last_lines():
     """So that Ctrl-C says so in one line in every script, and no diff between two shows it."""
-    ends = {path.name: path.read_text().rstrip().splitlines()[-3:] for path in scripts()}
+    ends = {step.path.name: step.path.read_text().rstrip().splitlines()[-3:]
+            for step in STEPS.values()}  # the combined script's too
     assert set(map(tuple, ends.values())) == {(
         'if __name__ == "__main__":',
         "    from common.cli import run_main  # Ctrl-C: one line instead of a traceback",
