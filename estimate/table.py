@@ -2,13 +2,14 @@
 import argparse
 import os
 import resource
+import sys
 import time
 from concurrent.futures import as_completed
 
 import estimate
 from common.cli import add_shared_flags, parse_args, positive_int, unwritable
 from common.presets import PRESETS
-from estimate.fit import fit_table, parse_size, search_all
+from estimate.fit import fit_table, parse_size, search_all, without_batch_flags
 from estimate.gpu_choices import DEFAULT_GPU, GPUS, gpu_problem
 from estimate.predict import Row, attempt
 from estimate.published import STUDY_RESERVED_GB
@@ -22,7 +23,7 @@ from estimate.records import (
     size_text,
 )
 from estimate.workers import worker_pool
-from steps import UnknownStep, select, step_of
+from steps import STEPS, UnknownStep, select, step_of
 
 
 def processes_for(batch_size, accum_steps, most):
@@ -129,6 +130,9 @@ def parse_table_args(argv):
                              "24GiB) and the largest batch or micro-batch that does")
     add_shared_flags(parser, ["--world-size", "--gpu"], {"--world-size": (4, "4"),
                                                          "--gpu": (None, DEFAULT_GPU)})
+    parser.add_argument("--stack-only", action="store_true",
+                        help="with --gpu-memory: only the stack (10_combined.py's switches that "
+                             "fit), without the table of every script")
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
                         help="cuda: predict a GPU (default); cpu: no emulation, as a CPU run counts")
     parser.add_argument("--steps", nargs="+", metavar="NN",
@@ -138,6 +142,9 @@ def parse_table_args(argv):
                         help="estimates run at once, one process each (default: 2)")
     parser.add_argument("--results-dir", default="results", help="where estimate.json goes")
     args = parser.parse_args(argv)
+    # the stack runs one GPU unless --world-size is given (the table's default is 4)
+    args.stack_world_size = args.world_size if any(
+        word.startswith("--world-size") for word in (sys.argv[1:] if argv is None else argv)) else 1
     if args.scripts:
         parser.error("--scripts is now --steps (as in python -m tour): --steps "
                      + " ".join(args.scripts))
@@ -152,6 +159,8 @@ def parse_table_args(argv):
             parser.error(str(error))
         if args.device != "cuda":
             parser.error("--gpu-memory asks what fits on a GPU: leave --device cpu out")
+    elif args.stack_only:
+        parser.error("--stack-only answers --gpu-memory SIZE: add it (for example 24GB)")
     return args
 
 
@@ -185,6 +194,10 @@ def main(argv=None):
     except UnknownStep as problem:
         raise SystemExit(f"error: --steps: {problem}")
     flags = model_flags(args)
+    if args.stack_only:
+        print(the_stack(args, flags))
+        print(f"wall time {time.perf_counter() - start:.1f} s")
+        return 0
     notes = [f"{step.name} trains --task {step.task} only: add --task {step.task} to estimate it"
              for step in select(args.steps) if args.steps and step not in steps]
     not_estimated = [step for step in steps if step.by_hand]
@@ -205,6 +218,7 @@ def main(argv=None):
                           lambda script: step_of(script).accum_steps > 1)
         print(fit_table(fits, args.gpu_memory) + "\n")
         notes += [f"{fit.script}: {fit.problem}" for fit in fits if fit.problem]
+        print(the_stack(args, flags) + "\n")
     for row, (_, problem, _) in zip(rows, outcomes):
         if problem:
             notes.append(f"{row.label}: {problem}")
@@ -218,3 +232,24 @@ def main(argv=None):
           + (f", {workers:.2f} GB in the largest worker" if workers else ""))
     return 1 if any(problem for _, problem, _ in outcomes) else 0
 
+
+
+def the_stack(args, flags):
+    """The stack (estimate/stack.py) for the asked batch in --gpu-memory, as printed."""
+    from common.model import model_config
+    from estimate import stack
+    combined = STEPS["10"].path
+    preset = PRESETS[args.preset] if args.model is None else parse_args(
+        "", [*without_batch_flags(flags), "--preset", args.preset, "--estimate"]).preset_settings
+    config = model_config(preset)
+    batch_size = args.batch_size or preset.batch_size
+    base = ["--preset", args.preset, "--device", args.device, *without_batch_flags(flags)]
+    shown = [*(["--preset", args.preset] if args.model is None else []), *without_batch_flags(flags)]
+    answer = stack.walk(combined, base, batch_size, args.stack_world_size, args.capacity, args.task, args.gpu)
+    adapters = stack.adapters(combined, base, batch_size, args.capacity,
+                              stack.activation_switches(answer), args.gpu)
+    tokens = batch_size * (preset.max_length or (preset.image_size // 16) ** 2 or 1)
+    shape = (config.num_hidden_layers, config.hidden_size, getattr(config, "vocab_size", 0))
+    return "\n".join([stack.chain_text(args.task, answer.parameters, tokens, shape, args.stack_world_size),
+                      stack.stack_text(answer, shown, batch_size, args.capacity, args.gpu_memory,
+                                       adapters)])

@@ -1,0 +1,240 @@
+"""`python -m estimate --gpu-memory SIZE` ends with the stack: the first prefix of a chain of
+the combined script's switches, cheapest first, whose run fits the asked batch in SIZE, the
+largest micro-batch it fits (fit.py's search on 10_combined.py) and the command that runs it.
+
+The chain and the reason for its order live here, as data: CHAIN, and COST, the rates the cost
+model assumes. Exact techniques come first, by the time they add to a step (counted
+recomputation FLOPs at COST's GPU rate); then 8-bit AdamW, which changes the optimizer's
+arithmetic; then Adam stepped in backward, which takes no time but gives up accumulation (the
+micro-batch becomes the batch); then what moves bytes over PCIe each step (activations, the
+optimizer's state and step, then the weights too). A link that 10_combined.py refuses beside an
+earlier one replaces it, and the printed chain says so. Adapters train something else: they are
+answered apart, with the activation switches of the answer.
+"""
+from dataclasses import dataclass, field
+
+from estimate.fit import Fit, accumulation_for, micro_row, search
+from estimate.predict import attempt
+from estimate.records import size_text
+
+REMOVE = None  # a link's value for a switch it takes out (10_combined.py refuses the pair)
+COST = {"gpu_flops": 150e12,  # bfloat16 matrix products actually reached (an A100's 312 peak at ~50%)
+        "pcie_bytes_per_s": 25e9,  # PCIe 4.0 x16 as copies reach it (32 GB/s on paper)
+        "host_bytes_per_s": 50e9,  # host memory for the optimizer's step on the host
+        "elementwise_forward": 0.1,  # selective: the operators between matrix products, of a forward's time
+        "adam_bytes_per_parameter": 16,  # read and written by a step on the host (float32 state)
+        }
+
+
+@dataclass(frozen=True)
+class Link:
+    """One link: the switches it sets (a value, True for a flag, REMOVE), and its cost."""
+    name: str
+    sets: tuple              # ((flag, value), ...)
+    cost: str                # the cost model's words
+    causal_lm_only: bool = False
+    sharded: bool = False    # --offload: sharded (under torchrun when --world-size N > 1)
+
+
+CHAIN = (
+    Link("bf16", (), "the default: bfloat16 weights, Adam, the model's loss"),
+    Link("chunked loss", (("--loss", "chunked"),),
+         "a second forward of the output layer: 2 x vocabulary x hidden FLOPs a token",
+         causal_lm_only=True),
+    Link("selective checkpointing", (("--checkpointing", "selective"),),
+         "the element-wise operators again: ~0.1 of a forward's time, no matrix product"),
+    Link("full checkpointing", (("--checkpointing", "full"),),
+         "the blocks' forward again: 1.0 forward (2 x parameters FLOPs a token)"),
+    Link("8-bit AdamW", (("--optimizer", "adamw-8bit"),),
+         "no time to speak of, but the state is quantized: the first inexact link"),
+    Link("optimizer in backward", (("--optimizer-in-backward", True),),
+         "no time, but no accumulation: the micro-batch is the batch"),
+    Link("activation offloading", (("--checkpointing", "offloaded"),),
+         "each block's input over PCIe out and back (2 x layers x tokens x hidden x 2 bytes), "
+         "overlapped with compute"),
+    Link("optimizer on the host", (("--optimizer-on-host", True),),
+         "gradients down and weights up over PCIe (4 bytes a parameter) and Adam on the host"),
+    Link("offload", (("--offload", True), ("--loss", REMOVE), ("--optimizer", REMOVE),
+                     ("--optimizer-in-backward", REMOVE), ("--optimizer-on-host", REMOVE)),
+         "the weights up twice per micro-batch, gradients down (6 bytes a parameter) and Adam "
+         "on the host", sharded=True),
+)
+ADAPTERS = ((("--lora-rank", "8"),), (("--lora-rank", "8"), ("--qlora", True)))
+ACTIVATION_FLAGS = ("--loss", "--checkpointing")
+
+
+def step_seconds(link, parameters, tokens, layers, hidden, vocabulary, micro_batches=1):
+    """The seconds the link adds to an optimizer step of `tokens` tokens, by COST."""
+    forward = 2 * parameters * tokens / COST["gpu_flops"]
+    host_step = parameters * COST["adam_bytes_per_parameter"] / COST["host_bytes_per_s"]
+    pcie = COST["pcie_bytes_per_s"]
+    return {"bf16": 0.0, "8-bit AdamW": 0.0, "optimizer in backward": 0.0,
+            "chunked loss": 2 * vocabulary * hidden * tokens / COST["gpu_flops"],
+            "selective checkpointing": COST["elementwise_forward"] * forward,
+            "full checkpointing": forward,
+            "activation offloading": 2 * layers * tokens * hidden * 2 / pcie,
+            "optimizer on the host": 4 * parameters / pcie + host_step,
+            "offload": (4 * micro_batches + 2) * parameters / pcie + host_step}[link.name]
+
+
+def prefixes(task):
+    """[(link, switches as [(flag, value)], notes)] for each prefix of CHAIN, in order; notes
+    say what a link skipped or replaced."""
+    out, current = [], {}
+    for link in CHAIN:
+        if link.causal_lm_only and task != "causal-lm":
+            out.append((link, None, [f"{link.name} skipped: --task {task} has nothing to chunk"]))
+            continue
+        replaced, refused = [], []
+        for flag, value in link.sets:
+            if value is REMOVE:
+                if flag in current:
+                    refused.append(flag_text(flag, current.pop(flag)))
+            else:
+                if flag in current and current[flag] != value:
+                    replaced.append(flag_text(flag, current[flag]))
+                current[flag] = value
+        notes = [f"replaces {', '.join(replaced)}"] if replaced else []
+        if refused:
+            notes.append(f"replaces {', '.join(refused)} (10_combined.py refuses them with "
+                         f"{link.sets[0][0]}: the model's loss, Adam, accumulation again)")
+        out.append((link, list(current.items()), notes))
+    return out
+
+
+def flag_text(flag, value):
+    return flag if value is True else f"{flag} {value}"
+
+
+def argv_of(switches):
+    return [part for flag, value in switches for part in
+            ([flag] if value is True else [flag, str(value)])]
+
+
+@dataclass
+class Answer:
+    """The stack found: the prefix that fits, its search, and every prefix tried."""
+    link: Link | None = None
+    switches: list = field(default_factory=list)
+    fit: Fit | None = None
+    world_size: int = 1
+    parameters: int = 0  # the model's, from the first estimate (for the cost model)
+    tried: list = field(default_factory=list)  # (link, switches, notes, reserved or problem)
+
+
+def walk(script, base_argv, batch_size, world_size, capacity, task, gpu, report=print):
+    """The first prefix of CHAIN whose run fits `batch_size` in `capacity`, searched for its
+    largest micro-batch per GPU; `base_argv`: the model's flags without --batch-size."""
+    answer = Answer()
+    for link, switches, notes in prefixes(task):
+        if switches is None:
+            answer.tried.append((link, None, notes, None))
+            continue
+        world = world_size if link.sharded else 1
+        accumulates = ("--optimizer-in-backward", True) not in switches
+        micro = 1 if accumulates else batch_size // world
+        argv = [*base_argv, *argv_of(switches)]
+        record, problem, seconds = attempt(micro_row(script, argv, world, micro, accumulates, gpu))
+        reserved = record and record["reserved_bytes"]
+        answer.parameters = answer.parameters or (record or {}).get("parameter_count", 0)
+        answer.tried.append((link, switches, notes, reserved if record else problem))
+        report(f"[stack] {link.name}: " + (f"{size_text(reserved)} reserved at micro-batch "
+                                            f"{micro}" if record else f"failed: {problem}")
+               + f" ({seconds:.1f} s)")
+        if record is None or reserved > capacity or batch_size % world:
+            continue
+        known = {micro: (record["allocated_bytes"], reserved)}
+        fit = search(script, argv, world, capacity, accumulates, known, gpu)
+        fit.batch_size, fit.world_size = batch_size, world
+        answer.link, answer.switches, answer.fit, answer.world_size = link, switches, fit, world
+        return answer
+    return answer
+
+
+def command(model_argv, batch_size, switches, fit, world_size):
+    """The command that runs the answer."""
+    launch = (f"torchrun --nproc_per_node={world_size} 10_combined.py" if world_size > 1
+              else "python 10_combined.py")
+    words = [launch, *model_argv, "--batch-size", str(batch_size)]
+    if fit.accumulates:
+        words += ["--accum-steps", str(accumulation_for(fit) or batch_size // world_size)]
+    return " ".join([*words, *argv_of(switches)])
+
+
+def adapters(script, base_argv, batch_size, capacity, activation, gpu, report=print):
+    """[(switches, Fit or None, problem)] for LoRA then QLoRA with the `activation` switches."""
+    out = []
+    for adapter in ADAPTERS:
+        switches = [*activation, *adapter]
+        argv = [*base_argv, *argv_of(switches)]
+        record, problem, seconds = attempt(micro_row(script, argv, 1, 1, True, gpu))
+        report(f"[stack] {' '.join(argv_of(switches))}: "
+               + (size_text(record["reserved_bytes"]) if record else "failed") + f" ({seconds:.1f} s)")
+        if record is None:
+            out.append((switches, None, problem))
+            continue
+        known = {1: (record["allocated_bytes"], record["reserved_bytes"])}
+        fit = (search(script, argv, 1, capacity, True, known, gpu)
+               if record["reserved_bytes"] <= capacity else Fit(script.stem, True, tried=known))
+        fit.batch_size, fit.world_size, fit.capacity = batch_size, 1, capacity
+        out.append((switches, fit, None))
+    return out
+
+
+def chain_text(task, parameters, tokens, shape, world_size):
+    """The chain as printed: each link, what it sets or replaces, and its cost per step."""
+    layers, hidden, vocabulary = shape
+    lines = [f"The chain, cheapest first (cost model: {COST['gpu_flops'] / 1e12:.0f} TFLOP/s, "
+             f"PCIe {COST['pcie_bytes_per_s'] / 1e9:.0f} GB/s, host {COST['host_bytes_per_s'] / 1e9:.0f} "
+             f"GB/s; seconds added to a step of {tokens} tokens, a plain step "
+             f"{6 * parameters * tokens / COST['gpu_flops']:.3g} s):"]
+    for number, (link, switches, notes) in enumerate(prefixes(task), 1):
+        sets = " ".join(argv_of([(f, v) for f, v in link.sets if v is not REMOVE])) or "(none)"
+        if link.sharded and world_size > 1:
+            sets += f" under torchrun --nproc_per_node={world_size}"
+        added = ("" if switches is None else
+                 f" +{step_seconds(link, parameters, tokens, layers, hidden, vocabulary):.3g} s;")
+        lines.append(f"  {number}. {link.name}: {sets};{added} {link.cost}"
+                     + "".join(f"; {note}" for note in notes))
+    return "\n".join(lines)
+
+
+def stack_text(answer, model_argv, batch_size, capacity, size, adapter_answers):
+    """The stack's answer, the adapters' line."""
+    if answer.fit is None:
+        last = next(((link, value) for link, sw, _, value in reversed(answer.tried)
+                     if sw is not None), None)
+        nearest = (f"{size_text(last[1])} reserved against {size} ({size_text(capacity)})"
+                   if last and isinstance(last[1], int) else f"its estimate failed: {last and last[1]}")
+        lines = [f"The stack: no prefix fits batch {batch_size} in --gpu-memory {size}; the "
+                 f"nearest is the whole chain ({last[0].name if last else 'none'}): {nearest}"]
+    else:
+        fit = answer.fit
+        largest = f"{fit.largest}{'+' if fit.capped else ''}"
+        per = " per GPU" if answer.world_size > 1 else ""
+        lines = [f"The stack: {answer.link.name} fits batch {batch_size} in --gpu-memory {size}; "
+                 + (f"micro-batches of up to {largest}{per}" if fit.accumulates
+                    else f"batches of up to {largest * answer.world_size}")
+                 + (f" ({fit.problem})" if fit.problem else ""),
+                 "  " + command(model_argv, batch_size, answer.switches, fit, answer.world_size)]
+    words = []
+    for switches, fit, problem in adapter_answers:
+        name = " ".join(argv_of(switches))
+        if fit is None:
+            words.append(f"{name}: not estimated ({problem.split('. ')[0]})")
+        elif fit.largest is None:
+            reserved = max(nbytes for _, nbytes in fit.tried.values())
+            words.append(f"{name}: not even micro-batch 1 ({size_text(reserved)})")
+        else:
+            words.append(f"{name}: micro-batches of up to {fit.largest}{'+' if fit.capped else ''}"
+                         f", --accum-steps {accumulation_for(fit)}")
+    if words:
+        lines.append("with adapters (they train something else): " + "; ".join(words))
+    return "\n".join(lines)
+
+
+def activation_switches(answer):
+    """The answer's activation switches (the last prefix's when none fits), for the adapters."""
+    switches = answer.switches or next((sw for link, sw, _, _ in reversed(answer.tried)
+                                        if sw is not None and not link.sharded), [])
+    return [(flag, value) for flag, value in switches if flag in ACTIVATION_FLAGS]
