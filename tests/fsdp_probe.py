@@ -22,9 +22,10 @@ from torch._dynamo.utils import counters
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-import common.data
-from common.memory import TRACKED_STEPS
-from conftest import SMALL_SNIPPET_SPLITS, load_script  # first: it puts the repository on sys.path
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository, for common/
+import common.data  # noqa: E402
+from common.memory import TRACKED_STEPS  # noqa: E402
+from conftest import SMALL_SNIPPET_SPLITS, load_script  # noqa: E402
 
 
 def local(tensor):
