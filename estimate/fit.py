@@ -66,10 +66,11 @@ def micro_row(script, base_argv, world_size, micro, accumulates, gpu=DEFAULT_GPU
     return Row(script, [*base_argv, *flags], world_size, gpu, any_batch_size=True)
 
 
-def search(script, base_argv, world_size, capacity, accumulates, known=None, gpu=DEFAULT_GPU):
+def search(script, base_argv, world_size, capacity, accumulates, known=None, gpu=DEFAULT_GPU,
+           cap=MAX_MICRO_BATCH):
     """The largest micro-batch per process of `script` whose predicted reserved memory is at
     most `capacity` bytes (to the granule: one sample up to 32, then 8), confirmed on fake
-    tensors: it fits, and the next size does not.
+    tensors: it fits, and the next size does not; or `cap` fits (the search stops there).
     `known`: {micro-batch: (allocated, reserved)} already predicted (the asked batch's row)."""
     found = Fit(script.stem, accumulates, capacity=capacity, tried=dict(known or {}))
 
@@ -89,22 +90,24 @@ def search(script, base_argv, world_size, capacity, accumulates, known=None, gpu
         high = min((size for size, (_, nbytes) in found.tried.items() if nbytes > capacity),
                    default=None)
         width = None  # the bracket's width before the last estimate
-        while not settled(low, high):
+        while not settled(low, high, cap):
             if len(found.tried) >= MAX_ESTIMATES:
                 found.problem = f"no answer within {MAX_ESTIMATES} estimates: {low} fits, {high} not"
                 break
-            candidate = snap(next_candidate(found.tried, capacity, low, high))
+            candidate = snap(next_candidate(found.tried, capacity, low, high, cap))
             if high is not None and (width is not None and high - low > width / 2
                                      or not snap(low) < candidate < high):
                 candidate = snap((low + high) // 2)  # the line did not halve the bracket: bisect
             if candidate <= snap(low):
                 candidate = snap(low) + granule(snap(low))  # the next size the answer can take
+            candidate = min(candidate, cap)
             width = None if high is None else high - low
             if fits(candidate):
                 low = candidate
             else:
                 high = candidate
-        found.largest, found.capped = snap(low), high is None
+        found.capped = low >= cap or high is None
+        found.largest = low if low >= cap else snap(low)  # the cap is an answer off the grid
     except RuntimeError as error:
         found.problem = str(error)
     return found
@@ -121,21 +124,23 @@ def snap(size):
     return size - size % granule(size)
 
 
-def settled(low, high):
+def settled(low, high, cap=MAX_MICRO_BATCH):
     """Whether the answer is known: snap(low) fits and the next size it could take does not
-    (or the search has reached MAX_MICRO_BATCH)."""
+    (or the search has reached `cap`)."""
+    if low >= cap:
+        return True
     answer = snap(low)
     if high is None:
-        return answer >= MAX_MICRO_BATCH
+        return False
     return high <= answer + granule(answer)
 
 
-def next_candidate(tried, capacity, low, high):
+def next_candidate(tried, capacity, low, high, cap=MAX_MICRO_BATCH):
     """The micro-batch to estimate next, strictly between `low` (fits) and `high` (does not, or
     None): where the line through the two tried sizes nearest the boundary reaches `capacity`,
     by allocated bytes (exactly linear within a phase of the step) plus the allocator's
     overhead seen at `low`. Memory that does not grow with the micro-batch sends it to the top."""
-    upper = high - 1 if high is not None else MAX_MICRO_BATCH
+    upper = high - 1 if high is not None else cap
     below = sorted(size for size in tried if size <= low)
     x0, x1 = (low, high) if high is not None else (below[-2:] if len(below) > 1 else (low, None))
     if x1 is None:

@@ -12,10 +12,12 @@ earlier one replaces it, and the printed chain says so. Adapters train something
 answered apart, with the activation switches of the answer.
 """
 from dataclasses import dataclass, field
+from functools import partial
 
 from estimate.fit import Fit, accumulation_for, micro_row, search
 from estimate.predict import attempt
 from estimate.records import size_text
+from estimate.workers import in_order
 
 REMOVE = None  # a link's value for a switch it takes out (10_combined.py refuses the pair)
 COST = {"gpu_flops": 150e12,  # bfloat16 matrix products actually reached (an A100's 312 peak at ~50%)
@@ -120,21 +122,32 @@ class Answer:
     world_size: int = 1
     parameters: int = 0  # the model's, from the first estimate (for the cost model)
     tried: list = field(default_factory=list)  # (link, switches, notes, reserved or problem)
+    search: tuple = ()  # search()'s arguments for the prefix that fits
 
 
-def walk(script, base_argv, batch_size, world_size, capacity, task, gpu, report=print):
-    """The first prefix of CHAIN whose run fits `batch_size` in `capacity`, searched for its
-    largest micro-batch per GPU; `base_argv`: the model's flags without --batch-size."""
-    answer = Answer()
+def walk(script, base_argv, batch_size, world_size, capacity, task, gpu, report=print, jobs=1,
+         searched=True):
+    """The first prefix of CHAIN whose run fits `batch_size` in `capacity`, searched (unless not
+    `searched`) for its largest micro-batch per GPU, up to the batch; `base_argv`: the model's
+    flags without --batch-size. Up to `jobs` prefixes are estimated at a time, in chain order."""
+    answer, plans = Answer(), []
     for link, switches, notes in prefixes(task):
         if switches is None:
-            answer.tried.append((link, None, notes, None))
+            plans.append((link, None, notes, None))
             continue
         world = world_size if link.sharded else 1
         accumulates = ("--optimizer-in-backward", True) not in switches
         micro = 1 if accumulates else batch_size // world
         argv = [*base_argv, *argv_of(switches)]
-        record, problem, seconds = attempt(micro_row(script, argv, world, micro, accumulates, gpu))
+        plans.append((link, switches, notes, (argv, world, micro, accumulates)))
+    rows = [micro_row(script, plan[0], *plan[1:], gpu) for *_, plan in plans if plan]
+    outcomes = in_order(estimated, rows, jobs, lambda: "during the stack's walk: no stack")
+    for link, switches, notes, plan in plans:
+        if plan is None:
+            answer.tried.append((link, None, notes, None))
+            continue
+        argv, world, micro, accumulates = plan
+        record, problem, seconds = next(outcomes)
         reserved = record and record["reserved_bytes"]
         answer.parameters = answer.parameters or (record or {}).get("parameter_count", 0)
         answer.tried.append((link, switches, notes, reserved if record else problem))
@@ -143,12 +156,61 @@ def walk(script, base_argv, batch_size, world_size, capacity, task, gpu, report=
                + f" ({seconds:.1f} s)")
         if record is None or reserved > capacity or batch_size % world:
             continue
-        known = {micro: (record["allocated_bytes"], reserved)}
-        fit = search(script, argv, world, capacity, accumulates, known, gpu)
-        fit.batch_size, fit.world_size = batch_size, world
-        answer.link, answer.switches, answer.fit, answer.world_size = link, switches, fit, world
+        outcomes.close()  # the later prefixes are not needed: their estimates stop
+        answer.link, answer.switches, answer.world_size = link, switches, world
+        answer.search = (script, argv, world, capacity, accumulates,
+                         {micro: (record["allocated_bytes"], reserved)}, gpu, batch_size // world)
+        if searched:
+            answer.fit = settle(("search", answer.search), batch_size)
         return answer
     return answer
+
+
+def estimated(row):
+    """attempt(row), looked up when called (a worker process is sent this function by name)."""
+    return attempt(row)
+
+
+def settle(task, batch_size):
+    """The Fit of a search task: ("search", search()'s arguments), or ("adapter", (script, argv,
+    capacity, gpu, label)), estimated at micro-batch 1 first (its problem if that fails);
+    module-level, for the worker processes."""
+    kind, arguments = task
+    if kind == "search":
+        fit = search(*arguments)
+        fit.batch_size, fit.world_size = batch_size, arguments[2]
+        return fit
+    script, argv, capacity, gpu, label = arguments
+    record, problem, seconds = attempt(micro_row(script, argv, 1, 1, True, gpu))
+    print(f"[stack] {label}: "
+          + (size_text(record["reserved_bytes"]) if record else "failed") + f" ({seconds:.1f} s)",
+          flush=True)
+    if record is None:
+        return problem
+    known = {1: (record["allocated_bytes"], record["reserved_bytes"])}
+    fit = (search(script, argv, 1, capacity, True, known, gpu, batch_size)
+           if record["reserved_bytes"] <= capacity else Fit(script.stem, True, tried=known))
+    fit.batch_size, fit.world_size, fit.capacity = batch_size, 1, capacity
+    return fit
+
+
+def answer_all(script, base_argv, batch_size, world_size, capacity, task, gpu, jobs=1, report=print):
+    """The stack (walk) and the adapters' answers, their searches up to `jobs` at a time."""
+    answer = walk(script, base_argv, batch_size, world_size, capacity, task, gpu, report, jobs,
+                  searched=False)
+    activation = activation_switches(answer)
+    switch_sets = [[*activation, *adapter] for adapter in ADAPTERS]
+    tasks = [("adapter", (script, [*base_argv, *argv_of(switches)], capacity, gpu,
+                          " ".join(argv_of(switches)))) for switches in switch_sets]
+    if answer.link is not None:
+        tasks.insert(0, ("search", answer.search))
+    fits = list(in_order(partial(settle, batch_size=batch_size), tasks, jobs,
+                         lambda: "during the stack's searches: no stack"))
+    if answer.link is not None:
+        answer.fit = fits.pop(0)
+    adapter_answers = [(switches, None, fit) if isinstance(fit, str) else (switches, fit, None)
+                       for switches, fit in zip(switch_sets, fits)]
+    return answer, adapter_answers
 
 
 def command(model_argv, batch_size, switches, fit, world_size):
@@ -159,26 +221,6 @@ def command(model_argv, batch_size, switches, fit, world_size):
     if fit.accumulates:
         words += ["--accum-steps", str(accumulation_for(fit) or batch_size // world_size)]
     return " ".join([*words, *argv_of(switches)])
-
-
-def adapters(script, base_argv, batch_size, capacity, activation, gpu, report=print):
-    """[(switches, Fit or None, problem)] for LoRA then QLoRA with the `activation` switches."""
-    out = []
-    for adapter in ADAPTERS:
-        switches = [*activation, *adapter]
-        argv = [*base_argv, *argv_of(switches)]
-        record, problem, seconds = attempt(micro_row(script, argv, 1, 1, True, gpu))
-        report(f"[stack] {' '.join(argv_of(switches))}: "
-               + (size_text(record["reserved_bytes"]) if record else "failed") + f" ({seconds:.1f} s)")
-        if record is None:
-            out.append((switches, None, problem))
-            continue
-        known = {1: (record["allocated_bytes"], record["reserved_bytes"])}
-        fit = (search(script, argv, 1, capacity, True, known, gpu)
-               if record["reserved_bytes"] <= capacity else Fit(script.stem, True, tried=known))
-        fit.batch_size, fit.world_size, fit.capacity = batch_size, 1, capacity
-        out.append((switches, fit, None))
-    return out
 
 
 def chain_text(task, parameters, tokens, shape, world_size):
@@ -210,11 +252,10 @@ def stack_text(answer, model_argv, batch_size, capacity, size, adapter_answers):
                  f"nearest is the whole chain ({last[0].name if last else 'none'}): {nearest}"]
     else:
         fit = answer.fit
-        largest = f"{fit.largest}{'+' if fit.capped else ''}"
         per = " per GPU" if answer.world_size > 1 else ""
         lines = [f"The stack: {answer.link.name} fits batch {batch_size} in --gpu-memory {size}; "
-                 + (f"micro-batches of up to {largest}{per}" if fit.accumulates
-                    else f"batches of up to {largest * answer.world_size}")
+                 + (micro_words(fit, per) if fit.accumulates
+                    else "the whole batch at once (stepped in backward, it is not split)")
                  + (f" ({fit.problem})" if fit.problem else ""),
                  "  " + command(model_argv, batch_size, answer.switches, fit, answer.world_size)]
     words = []
@@ -226,11 +267,16 @@ def stack_text(answer, model_argv, batch_size, capacity, size, adapter_answers):
             reserved = max(nbytes for _, nbytes in fit.tried.values())
             words.append(f"{name}: not even micro-batch 1 ({size_text(reserved)})")
         else:
-            words.append(f"{name}: micro-batches of up to {fit.largest}{'+' if fit.capped else ''}"
-                         f", --accum-steps {accumulation_for(fit)}")
+            words.append(f"{name}: {micro_words(fit)}, --accum-steps {accumulation_for(fit)}")
     if words:
         lines.append("with adapters (they train something else): " + "; ".join(words))
     return "\n".join(lines)
+
+
+def micro_words(fit, per=""):
+    """The largest micro-batch the search found; it stops at the asked batch."""
+    return f"micro-batches of up to {fit.largest}{per}" + (
+        " (the whole batch: the search stops there)" if fit.capped else "")
 
 
 def activation_switches(answer):

@@ -245,9 +245,8 @@ def the_stack(args, flags):
     batch_size = args.batch_size or preset.batch_size
     base = ["--preset", args.preset, "--device", args.device, *without_batch_flags(flags)]
     shown = [*(["--preset", args.preset] if args.model is None else []), *without_batch_flags(flags)]
-    answer = stack.walk(combined, base, batch_size, args.stack_world_size, args.capacity, args.task, args.gpu)
-    adapters = stack.adapters(combined, base, batch_size, args.capacity,
-                              stack.activation_switches(answer), args.gpu)
+    answer, adapters = stack.answer_all(combined, base, batch_size, args.stack_world_size,
+                                        args.capacity, args.task, args.gpu, args.jobs)
     tokens = batch_size * (preset.max_length or (preset.image_size // 16) ** 2 or 1)
     shape = (config.num_hidden_layers, config.hidden_size, getattr(config, "vocab_size", 0))
     return "\n".join([stack.chain_text(args.task, answer.parameters, tokens, shape, args.stack_world_size),

@@ -18,8 +18,29 @@ def worker_pool(jobs, interrupted):
     try:
         yield pool
     except KeyboardInterrupt:
-        for worker in list((getattr(pool, "_processes", None) or {}).values()):
-            worker.kill()  # mid-estimate: a worker ignoring Ctrl-C would finish its row first
-        pool.shutdown(wait=False, cancel_futures=True)
+        stop(pool)  # mid-estimate: a worker ignoring Ctrl-C would finish its row first
         raise SystemExit(f"\ninterrupted (Ctrl-C) {interrupted()}") from None
     pool.shutdown()
+
+
+def stop(pool):
+    """End the pool's workers now, and drop what they had not started."""
+    for worker in list((getattr(pool, "_processes", None) or {}).values()):
+        worker.kill()
+    pool.shutdown(wait=False, cancel_futures=True)
+
+
+def in_order(function, items, jobs, interrupted):
+    """function(item) for each of `items`, yielded in their order while up to `jobs` workers
+    compute the next ones ahead; closing the generator early stops the work still to do."""
+    if jobs <= 1 or len(items) <= 1:
+        yield from map(function, items)
+        return
+    with worker_pool(jobs, interrupted) as pool:
+        futures = [pool.submit(function, item) for item in items]
+        try:
+            for future in futures:
+                yield future.result()
+        finally:
+            if not all(future.done() for future in futures):
+                stop(pool)

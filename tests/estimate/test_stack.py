@@ -94,18 +94,27 @@ def test_a_size_below_everything_says_none_fits_and_names_the_nearest(every_pref
     assert "no prefix fits" in text and "offload" in text and size_text(last_reserved) in text
 
 
-def test_a_size_between_two_prefixes_picks_the_first_that_fits(every_prefix, combined):
+@pytest.fixture(scope="module")
+def between(every_prefix):
+    """(a size between the first prefix's peak and a lower one's, the links, the index of the
+    first link that fits it)."""
     reserved = [value for _, switches, _, value in every_prefix.tried if switches is not None]
     links = [link for link, switches, _, _ in every_prefix.tried if switches is not None]
     lower = next(value for value in reserved if value < reserved[0])  # a prefix that saves
     size = (lower + reserved[0]) // 2
     expected = next(index for index, value in enumerate(reserved) if value <= size)
     assert expected > 0
+    return size, links, expected
+
+
+def test_a_size_between_two_prefixes_picks_the_first_that_fits(between, combined):
+    size, links, expected = between
     answer = stack.walk(COMBINED, BASE, BATCH, 1, size, "causal-lm", "a100",
                         report=lambda _: None)
     assert answer.link is links[expected]
     fit = answer.fit
     assert fit.largest >= 1 and fit.tried[fit.largest][1] <= size
+    assert max(fit.tried) <= BATCH  # the search stops at the asked batch
     if not fit.capped:  # the next size the answer could take does not fit
         assert min(nbytes for micro, (_, nbytes) in fit.tried.items()
                    if micro > fit.largest) > size
@@ -119,6 +128,21 @@ def test_a_size_between_two_prefixes_picks_the_first_that_fits(every_prefix, com
         assert getattr(args, flag[2:].replace("-", "_")) == value
     text = stack.stack_text(answer, model, BATCH, size, "SIZE", [])
     assert " ".join(words) in text and links[expected].name in text
+
+
+def test_two_workers_answer_as_one_does(between, every_prefix):
+    """The walk and the searches in two worker processes (the rows the module estimated are
+    the workers' too, forked with the cache): the same stack as one process finds."""
+    size, links, expected = between
+    alone = stack.walk(COMBINED, BASE, BATCH, 1, size, "causal-lm", "a100", report=lambda _: None)
+    answer, adapters = stack.answer_all(COMBINED, BASE, BATCH, 1, size, "causal-lm", "a100", jobs=2,
+                                        report=lambda _: None)
+    assert answer.link is links[expected] and answer.switches == alone.switches
+    assert (answer.fit.largest, answer.fit.capped) == (alone.fit.largest, alone.fit.capped)
+    assert [switches[-1][0] for switches, _, _ in adapters] == ["--lora-rank", "--qlora"]
+    for switches, fit, problem in adapters:  # each with the answer's activation switches
+        assert set(stack.activation_switches(answer)) <= set(switches)
+        assert (fit is None) != (problem is None)
 
 
 def test_a_sharded_command_parses_under_torchrun(combined):
