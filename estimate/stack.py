@@ -2,14 +2,17 @@
 the combined script's switches, cheapest first, whose run fits the asked batch in SIZE, the
 largest micro-batch it fits (fit.py's search on 10_combined.py) and the command that runs it.
 
-The chain and the reason for its order live here, as data: CHAIN, and COST, the rates the cost
-model assumes. Exact techniques come first, by the time they add to a step (counted
-recomputation FLOPs at COST's GPU rate); then 8-bit AdamW, which changes the optimizer's
+The chain and the reason for its order live here, as data: CHAIN, its GROUPS, and COST, the
+rates the cost model assumes. Exact techniques come first, by the time they add to a step
+(counted recomputation FLOPs at COST's GPU rate); then 8-bit AdamW, which changes the optimizer's
 arithmetic; then Adam stepped in backward, which takes no time but gives up accumulation (the
 micro-batch becomes the batch); then what moves bytes over PCIe each step (activations, the
-optimizer's state and step, then the weights too). A link that 10_combined.py refuses beside an
-earlier one replaces it, and the printed chain says so. Adapters train something else: they are
-answered apart, with the activation switches of the answer.
+optimizer's state and step), then the weights too. Within a group the links are ordered by the
+seconds the cost model gives them for the model asked about (a small vocabulary makes the
+chunked loss cheaper than selective checkpointing, a large one dearer), and the printed chain
+says where that differs from CHAIN. A link that 10_combined.py refuses beside an earlier one
+replaces it, and the printed chain says so. Adapters train something else: they are answered
+apart, with the activation switches of the answer.
 """
 from dataclasses import dataclass, field
 from functools import partial
@@ -34,8 +37,14 @@ class Link:
     name: str
     sets: tuple              # ((flag, value), ...)
     cost: str                # the cost model's words
+    group: int = 0           # GROUPS: the chain keeps their order, and orders by cost within one
     causal_lm_only: bool = False
     sharded: bool = False    # --offload: sharded (under torchrun when --world-size N > 1)
+
+
+GROUPS = ("exact: the same arithmetic, more time", "inexact: the optimizer's arithmetic changes",
+          "no accumulation: the micro-batch is the batch", "bytes over PCIe every step",
+          "the weights in host memory too")
 
 
 CHAIN = (
@@ -48,18 +57,19 @@ CHAIN = (
     Link("full checkpointing", (("--checkpointing", "full"),),
          "the blocks' forward again: 1.0 forward (2 x parameters FLOPs a token)"),
     Link("8-bit AdamW", (("--optimizer", "adamw-8bit"),),
-         "no time to speak of, but the state is quantized: the first inexact link"),
+         "no time to speak of, but the state is quantized: the first inexact link", group=1),
     Link("optimizer in backward", (("--optimizer-in-backward", True),),
-         "no time, but no accumulation: the micro-batch is the batch"),
+         "no time, but no accumulation: the micro-batch is the batch", group=2),
     Link("activation offloading", (("--checkpointing", "offloaded"),),
          "each block's input over PCIe out and back (2 x layers x tokens x hidden x 2 bytes), "
-         "overlapped with compute"),
+         "overlapped with compute", group=3),
     Link("optimizer on the host", (("--optimizer-on-host", True),),
-         "gradients down and weights up over PCIe (4 bytes a parameter) and Adam on the host"),
+         "gradients down and weights up over PCIe (4 bytes a parameter) and Adam on the host",
+         group=3),
     Link("offload", (("--offload", True), ("--loss", REMOVE), ("--optimizer", REMOVE),
                      ("--optimizer-in-backward", REMOVE), ("--optimizer-on-host", REMOVE)),
          "the weights up twice per micro-batch, gradients down (6 bytes a parameter) and Adam "
-         "on the host", sharded=True),
+         "on the host", group=4, sharded=True),
 )
 ADAPTERS = ((("--lora-rank", "8"),), (("--lora-rank", "8"), ("--qlora", True)))
 ACTIVATION_FLAGS = ("--loss", "--checkpointing")
@@ -79,11 +89,17 @@ def step_seconds(link, parameters, tokens, layers, hidden, vocabulary, micro_bat
             "offload": (4 * micro_batches + 2) * parameters / pcie + host_step}[link.name]
 
 
-def prefixes(task):
-    """[(link, switches as [(flag, value)], notes)] for each prefix of CHAIN, in order; notes
-    say what a link skipped or replaced."""
+def ordered(seconds=None):
+    """CHAIN's links in GROUPS' order, and within a group by the `seconds` each adds to a step
+    ({link name: seconds}, step_seconds' for a model); CHAIN's own order without them."""
+    return sorted(CHAIN, key=lambda link: (link.group, (seconds or {}).get(link.name, 0)))
+
+
+def prefixes(task, seconds=None):
+    """[(link, switches as [(flag, value)], notes)] for each prefix of the chain, in order (by
+    `seconds`: see ordered()); notes say what a link skipped or replaced."""
     out, current = [], {}
-    for link in CHAIN:
+    for link in ordered(seconds):
         if link.causal_lm_only and task != "causal-lm":
             out.append((link, None, [f"{link.name} skipped: --task {task} has nothing to chunk"]))
             continue
@@ -126,12 +142,12 @@ class Answer:
 
 
 def walk(script, base_argv, batch_size, world_size, capacity, task, gpu, report=print, jobs=1,
-         searched=True):
+         searched=True, seconds=None):
     """The first prefix of CHAIN whose run fits `batch_size` in `capacity`, searched (unless not
     `searched`) for its largest micro-batch per GPU, up to the batch; `base_argv`: the model's
     flags without --batch-size. Up to `jobs` prefixes are estimated at a time, in chain order."""
     answer, plans = Answer(), []
-    for link, switches, notes in prefixes(task):
+    for link, switches, notes in prefixes(task, seconds):
         if switches is None:
             plans.append((link, None, notes, None))
             continue
@@ -194,10 +210,12 @@ def settle(task, batch_size):
     return fit
 
 
-def answer_all(script, base_argv, batch_size, world_size, capacity, task, gpu, jobs=1, report=print):
-    """The stack (walk) and the adapters' answers, their searches up to `jobs` at a time."""
+def answer_all(script, base_argv, batch_size, world_size, capacity, task, gpu, jobs=1, report=print,
+               seconds=None):
+    """The stack (walk, its chain ordered by `seconds`) and the adapters' answers, their
+    searches up to `jobs` at a time."""
     answer = walk(script, base_argv, batch_size, world_size, capacity, task, gpu, report, jobs,
-                  searched=False)
+                  searched=False, seconds=seconds)
     activation = activation_switches(answer)
     switch_sets = [[*activation, *adapter] for adapter in ADAPTERS]
     tasks = [("adapter", (script, [*base_argv, *argv_of(switches)], capacity, gpu,
@@ -223,21 +241,35 @@ def command(model_argv, batch_size, switches, fit, world_size):
     return " ".join([*words, *argv_of(switches)])
 
 
+def chain_seconds(parameters, tokens, shape):
+    """{link name: seconds it adds to a step of `tokens` tokens} by COST, for a model of
+    `parameters` and shape (layers, hidden, vocabulary)."""
+    return {link.name: step_seconds(link, parameters, tokens, *shape) for link in CHAIN}
+
+
 def chain_text(task, parameters, tokens, shape, world_size):
-    """The chain as printed: each link, what it sets or replaces, and its cost per step."""
-    layers, hidden, vocabulary = shape
+    """The chain as printed: each link, what it sets or replaces, and its cost per step; where
+    the cost model orders this model's chain otherwise than CHAIN, a line says so."""
+    seconds = chain_seconds(parameters, tokens, shape)
     lines = [f"The chain, cheapest first (cost model: {COST['gpu_flops'] / 1e12:.0f} TFLOP/s, "
              f"PCIe {COST['pcie_bytes_per_s'] / 1e9:.0f} GB/s, host {COST['host_bytes_per_s'] / 1e9:.0f} "
              f"GB/s; seconds added to a step of {tokens} tokens, a plain step "
              f"{6 * parameters * tokens / COST['gpu_flops']:.3g} s):"]
-    for number, (link, switches, notes) in enumerate(prefixes(task), 1):
+    group = None
+    for number, (link, switches, notes) in enumerate(prefixes(task, seconds), 1):
+        if link.group != group:
+            group = link.group
+            lines.append(f"  {GROUPS[group]}:")
         sets = " ".join(argv_of([(f, v) for f, v in link.sets if v is not REMOVE])) or "(none)"
         if link.sharded and world_size > 1:
             sets += f" under torchrun --nproc_per_node={world_size}"
-        added = ("" if switches is None else
-                 f" +{step_seconds(link, parameters, tokens, layers, hidden, vocabulary):.3g} s;")
+        added = "" if switches is None else f" +{seconds[link.name]:.3g} s;"
         lines.append(f"  {number}. {link.name}: {sets};{added} {link.cost}"
                      + "".join(f"; {note}" for note in notes))
+    moved = [link.name for link, usual in zip(ordered(seconds), CHAIN) if link is not usual]
+    if moved:
+        lines.append(f"  (for this model the cost model orders {' and '.join(moved)} otherwise "
+                     "than the usual chain: cheaper first within a group)")
     return "\n".join(lines)
 
 

@@ -236,19 +236,24 @@ def main(argv=None):
 
 def the_stack(args, flags):
     """The stack (estimate/stack.py) for the asked batch in --gpu-memory, as printed."""
-    from common.model import model_config
+    import torch
+
+    from common.model import model_class, model_config
     from estimate import stack
     combined = STEPS["10"].path
     preset = PRESETS[args.preset] if args.model is None else parse_args(
         "", [*without_batch_flags(flags), "--preset", args.preset, "--estimate"]).preset_settings
     config = model_config(preset)
+    with torch.device("meta"):  # the parameter count for the cost model, in no memory
+        parameters = sum(tensor.numel() for tensor in model_class(preset)._from_config(config).parameters())
     batch_size = args.batch_size or preset.batch_size
     base = ["--preset", args.preset, "--device", args.device, *without_batch_flags(flags)]
     shown = [*(["--preset", args.preset] if args.model is None else []), *without_batch_flags(flags)]
-    answer, adapters = stack.answer_all(combined, base, batch_size, args.stack_world_size,
-                                        args.capacity, args.task, args.gpu, args.jobs)
     tokens = batch_size * (preset.max_length or (preset.image_size // 16) ** 2 or 1)
     shape = (config.num_hidden_layers, config.hidden_size, getattr(config, "vocab_size", 0))
-    return "\n".join([stack.chain_text(args.task, answer.parameters, tokens, shape, args.stack_world_size),
+    answer, adapters = stack.answer_all(combined, base, batch_size, args.stack_world_size,
+                                        args.capacity, args.task, args.gpu, args.jobs,
+                                        seconds=stack.chain_seconds(parameters, tokens, shape))
+    return "\n".join([stack.chain_text(args.task, parameters, tokens, shape, args.stack_world_size),
                       stack.stack_text(answer, shown, batch_size, args.capacity, args.gpu_memory,
                                        adapters)])

@@ -59,10 +59,29 @@ def every_prefix(estimated_once):
     return stack.walk(COMBINED, BASE, BATCH, 1, 1, "causal-lm", "a100", report=lambda _: None)
 
 
-def test_no_link_is_dropped_silently_and_every_prefix_trains(combined):
+# Llama-3.2-1B's cost model at 2,048 tokens, batch 8: selective checkpointing before the chunked loss
+SMALL_VOCABULARY_FIRST = stack.chain_seconds(1.24e9, 8 * 2048, (16, 2048, 128256))
+
+
+def test_the_cost_model_orders_the_links_within_their_group_and_says_so():
+    usual = [link.name for link in stack.ordered()]
+    assert usual == [link.name for link in stack.CHAIN]
+    reordered = stack.ordered(SMALL_VOCABULARY_FIRST)
+    assert [link.name for link in reordered][1:3] == ["selective checkpointing", "chunked loss"]
+    assert [link.group for link in reordered] == sorted(link.group for link in stack.CHAIN)
+    for earlier, later in zip(reordered, reordered[1:]):
+        if earlier.group == later.group:
+            assert SMALL_VOCABULARY_FIRST[earlier.name] <= SMALL_VOCABULARY_FIRST[later.name]
+    text = stack.chain_text("causal-lm", 1.24e9, 8 * 2048, (16, 2048, 128256), 1)
+    assert "orders selective checkpointing and chunked loss otherwise" in text
+    assert "otherwise" not in stack.chain_text("causal-lm", 8.03e9, 8 * 2048, (32, 4096, 128256), 1)
+
+
+@pytest.mark.parametrize("seconds", [None, SMALL_VOCABULARY_FIRST], ids=["usual", "reordered"])
+def test_no_link_is_dropped_silently_and_every_prefix_trains(combined, seconds):
     for task in ("causal-lm", "classification"):
         before = {}
-        for link, switches, notes in stack.prefixes(task):
+        for link, switches, notes in stack.prefixes(task, seconds):
             if switches is None:
                 continue
             now = dict(switches)
