@@ -101,6 +101,8 @@ def search(script, base_argv, world_size, capacity, accumulates, known=None, gpu
             if candidate <= snap(low):
                 candidate = snap(low) + granule(snap(low))  # the next size the answer can take
             candidate = min(candidate, cap)
+            if high is None and cap < MAX_MICRO_BATCH and cap not in found.tried:
+                candidate = cap  # a batch was asked for: whether it fits whole settles the most
             width = None if high is None else high - low
             if fits(candidate):
                 low = candidate

@@ -96,3 +96,23 @@ def test_a_model_that_fails_on_fake_tensors_is_named_with_what_failed(bert, monk
     record, problem, _ = attempt(Row(script_path("03"), ["--model", bert, "--device", "cuda"]))
     assert record is None
     assert f"--model {bert}" in problem and "fake tensors" in problem
+
+
+@pytest.mark.parametrize("cap, fits_up_to, largest, estimates", [
+    (8, 10**6, 8, {1, 8}),     # the asked batch fits whole: one estimate after the first
+    (8, 5, 5, None),           # it does not: the largest that does, below it
+    (36, 10**6, 36, {1, 36}),  # a batch off the granule of 8 above 32 is an answer too
+])
+def test_a_search_for_an_asked_batch_stops_at_it(cap, fits_up_to, largest, estimates, monkeypatch):
+    """The stack's searches: a line of allocated bytes (100 + 10 a sample), capped at the batch."""
+    def line(row):
+        micro = int(row.argv[row.argv.index("--batch-size") + 1]) // 2  # two micro-batches
+        return {"allocated_bytes": 100 + 10 * micro, "reserved_bytes": 100 + 10 * micro}, None, 0.0
+    monkeypatch.setattr("estimate.fit.attempt", line)
+    found = search(script_path("04"), [], 1, 100 + 10 * fits_up_to, True, cap=cap)
+    assert (found.largest, found.capped) == (largest, largest == cap)
+    assert max(found.tried) <= cap and found.problem is None
+    if estimates:
+        assert set(found.tried) == estimates
+    else:
+        assert largest + 1 in found.tried  # the next size was estimated, and does not fit
