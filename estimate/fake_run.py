@@ -44,6 +44,7 @@ from estimate.fake_tensor_patches import (
     cuda_optimizer_defaults,
     device_meshes_made_for_real,
     process_group_only_through_init_distributed,
+    quantization_maps_computed_once,
     sharding_propagation_apart,
     swappable_fake_parameters,
     with_global_peak_only,
@@ -306,6 +307,7 @@ def run_on_fake_tensors(script_path, argv, world_size=1, gpu=gpu_choices.DEFAULT
         stack.enter_context(device_meshes_made_for_real())
         stack.enter_context(sharding_propagation_apart())
         stack.enter_context(cuda_optimizer_defaults() if emulate_cuda else nullcontext())
+        stack.enter_context(quantization_maps_computed_once())
         stack.enter_context(run.trace.recording())
         stack.enter_context(process_group_only_through_init_distributed(Path(script_path).name))
         messages = io.StringIO()

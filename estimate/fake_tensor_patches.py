@@ -146,6 +146,39 @@ INIT_PROCESS_GROUP = dist.init_process_group  # the real one, for the fake group
 
 
 @contextmanager
+def quantization_maps_computed_once():
+    """bitsandbytes' 8-bit optimizers build their quantization maps (256 values each) from
+    small tensors read back with `.tolist()`, once per optimizer: with Adam stepped in backward,
+    once per parameter, which on fake tensors took half of a Llama estimate. Inside, the values
+    are computed once, for real, and each call makes its map as the original's last lines do (one
+    tensor of them, divided in place by its maximum): the same allocation, and the true values.
+    Harmless: the temporaries it no longer makes are a few hundred bytes, freed at once, while
+    the optimizer is created, far from any peak. Does nothing without bitsandbytes imported."""
+    functional = sys.modules.get("bitsandbytes.functional")
+    if functional is None:
+        yield
+        return
+    original = functional.create_dynamic_map
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    @functools.cache
+    def values(*args, **kwargs):
+        with unset_fake_temporarily():
+            return original(*args, **kwargs).tolist()
+
+    def create_dynamic_map(*args, **kwargs):
+        code = torch.tensor(values(*args, **kwargs))
+        code /= code.max()
+        return code
+
+    functional.create_dynamic_map = create_dynamic_map
+    try:
+        yield
+    finally:
+        functional.create_dynamic_map = original
+
+
+@contextmanager
 def process_group_only_through_init_distributed(script_name):
     """A script that starts a process group itself would wait for processes that never come."""
     def refuse(*args, **kwargs):

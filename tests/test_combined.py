@@ -470,9 +470,9 @@ def test_stacked_switches_train(names, tmp_path, monkeypatch, small_snippets):
 # what the estimate is checked on beside the default (which tests/test_causal_lm.py estimates, as
 # for every script): the activation techniques stacked in one process; and QLoRA, whose 4-bit
 # weights the estimate stands in for (estimate/fake_4bit.py) as for 07b
-ESTIMATED = {"chunked+offloaded+in-backward+on-host": [
+ESTIMATED = {"chunked+offloaded+adamw-8bit+in-backward+on-host": [
                  *TEXT, *CAUSAL_LM, "--loss", "chunked", "--checkpointing", "offloaded",
-                 "--optimizer-in-backward", "--optimizer-on-host"],
+                 "--optimizer", "adamw-8bit", "--optimizer-in-backward", "--optimizer-on-host"],
              "qlora": ["--lora-rank", "8", "--qlora"]}
 
 
