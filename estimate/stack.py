@@ -141,26 +141,51 @@ class Answer:
     search: tuple = ()  # search()'s arguments for the prefix that fits
 
 
+WEIGHT_BYTES = 2  # a parameter's bytes: the chain trains 10_combined.py's bfloat16 weights
+STATE_BYTES = {"adam": 2 * WEIGHT_BYTES,  # Adam's two moments, in the weights' dtype
+               "adamw-8bit": 2}           # two moments of one byte (more in tensors too small to quantize)
+
+
+def resident_bytes(switches, parameters):
+    """A floor under a prefix's peak: the weights and the optimizer's state, which stay on the
+    GPU through every step of the run (no state under --optimizer-on-host, neither under
+    --offload); a prefix whose floor exceeds the GPU is not estimated."""
+    chosen = dict(switches)
+    if chosen.get("--offload"):
+        return 0
+    state = 0 if chosen.get("--optimizer-on-host") else STATE_BYTES[chosen.get("--optimizer", "adam")]
+    return parameters * (WEIGHT_BYTES + state)
+
+
 def walk(script, base_argv, batch_size, world_size, capacity, task, gpu, report=print, jobs=1,
-         searched=True, seconds=None):
+         searched=True, seconds=None, parameters=0):
     """The first prefix of CHAIN whose run fits `batch_size` in `capacity`, searched (unless not
     `searched`) for its largest micro-batch per GPU, up to the batch; `base_argv`: the model's
-    flags without --batch-size. Up to `jobs` prefixes are estimated at a time, in chain order."""
-    answer, plans = Answer(), []
+    flags without --batch-size. Up to `jobs` prefixes are estimated at a time, in chain order;
+    with the model's `parameters`, a prefix whose resident_bytes exceed `capacity` is not."""
+    answer, plans = Answer(parameters=parameters), []
     for link, switches, notes in prefixes(task, seconds):
         if switches is None:
             plans.append((link, None, notes, None))
+            continue
+        floor = resident_bytes(switches, parameters)
+        if floor > capacity:
+            plans.append((link, switches, notes, f"not estimated: its weights and optimizer "
+                                                 f"state alone hold {size_text(floor)}"))
             continue
         world = world_size if link.sharded else 1
         accumulates = ("--optimizer-in-backward", True) not in switches
         micro = 1 if accumulates else batch_size // world
         argv = [*base_argv, *argv_of(switches)]
         plans.append((link, switches, notes, (argv, world, micro, accumulates)))
-    rows = [micro_row(script, plan[0], *plan[1:], gpu) for *_, plan in plans if plan]
+    rows = [micro_row(script, plan[0], *plan[1:], gpu) for *_, plan in plans
+            if isinstance(plan, tuple)]
     outcomes = in_order(estimated, rows, jobs, lambda: "during the stack's walk: no stack")
     for link, switches, notes, plan in plans:
-        if plan is None:
-            answer.tried.append((link, None, notes, None))
+        if not isinstance(plan, tuple):  # skipped by the task, or by its floor (words)
+            answer.tried.append((link, switches, notes, plan))
+            if plan:
+                report(f"[stack] {link.name}: {plan}")
             continue
         argv, world, micro, accumulates = plan
         record, problem, seconds = next(outcomes)
@@ -211,11 +236,11 @@ def settle(task, batch_size):
 
 
 def answer_all(script, base_argv, batch_size, world_size, capacity, task, gpu, jobs=1, report=print,
-               seconds=None):
-    """The stack (walk, its chain ordered by `seconds`) and the adapters' answers, their
-    searches up to `jobs` at a time."""
+               seconds=None, parameters=0):
+    """The stack (walk, its chain ordered by `seconds`, its prefixes floored by `parameters`)
+    and the adapters' answers, their searches up to `jobs` at a time."""
     answer = walk(script, base_argv, batch_size, world_size, capacity, task, gpu, report, jobs,
-                  searched=False, seconds=seconds)
+                  searched=False, seconds=seconds, parameters=parameters)
     activation = activation_switches(answer)
     switch_sets = [[*activation, *adapter] for adapter in ADAPTERS]
     tasks = [("adapter", (script, [*base_argv, *argv_of(switches)], capacity, gpu,

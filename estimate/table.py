@@ -253,7 +253,8 @@ def the_stack(args, flags):
     shape = (config.num_hidden_layers, config.hidden_size, getattr(config, "vocab_size", 0))
     answer, adapters = stack.answer_all(combined, base, batch_size, args.stack_world_size,
                                         args.capacity, args.task, args.gpu, args.jobs,
-                                        seconds=stack.chain_seconds(parameters, tokens, shape))
+                                        seconds=stack.chain_seconds(parameters, tokens, shape),
+                                        parameters=parameters)
     return "\n".join([stack.chain_text(args.task, parameters, tokens, shape, args.stack_world_size),
                       stack.stack_text(answer, shown, batch_size, args.capacity, args.gpu_memory,
                                        adapters)])

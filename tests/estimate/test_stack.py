@@ -177,3 +177,19 @@ def test_stack_only_needs_gpu_memory(capsys):
     with pytest.raises(SystemExit):
         table_main(["--stack-only"])
     assert "--stack-only answers --gpu-memory" in capsys.readouterr().err
+
+
+def test_a_prefix_whose_weights_and_state_exceed_the_gpu_is_not_estimated(every_prefix):
+    parameters = every_prefix.parameters
+    assert parameters > 0
+    for link, switches, _, reserved in every_prefix.tried:
+        if isinstance(reserved, int):  # the floor is under what the estimate found
+            floor = stack.resident_bytes(switches, parameters)
+            assert floor <= reserved, link.name
+            assert floor >= (0 if link.sharded else stack.WEIGHT_BYTES * parameters), link.name
+    answer = stack.walk(COMBINED, BASE, BATCH, 1, 1, "causal-lm", "a100", report=lambda _: None,
+                        parameters=parameters)  # 1 byte: every floor but --offload's is above
+    said = {link.name: value for link, switches, _, value in answer.tried if switches is not None}
+    assert isinstance(said.pop("offload"), int)
+    assert all(value.startswith("not estimated: its weights and optimizer state alone hold")
+               for value in said.values())
