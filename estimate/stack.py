@@ -120,6 +120,17 @@ def prefixes(task, seconds=None):
     return out
 
 
+def whole_stack(task):
+    """The argv of every switch that combines in one run: the longest prefix of CHAIN before a
+    link that takes switches out (offload), what the tour runs 10_combined.py with."""
+    switches = []
+    for link, prefix, _ in prefixes(task):
+        if any(value is REMOVE for _, value in link.sets):
+            break
+        switches = prefix if prefix is not None else switches
+    return argv_of(switches)
+
+
 def flag_text(flag, value):
     return flag if value is True else f"{flag} {value}"
 

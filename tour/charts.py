@@ -13,7 +13,7 @@ from matplotlib.figure import Figure
 from common.atomic_write import atomic_path
 from common.memory import BREAKDOWN_KEYS
 from estimate.records import GB, MIB
-from tour.records import in_units
+from tour.records import STACK_SUFFIX, in_units
 
 COLORS = dict(zip(BREAKDOWN_KEYS, ("#4c72b0", "#dd8452", "#55a868", "#c44e52", "#8172b3")))
 NOT_BROKEN_DOWN = "not broken down"  # the gid and legend entry of what a breakdown leaves out
@@ -35,7 +35,9 @@ def script_label(script):
 
 
 def step_label(row):
-    return script_label(row.script) + (f"\n{row.processes()}" if row.processes() else "")
+    stack = "\nwhole stack" if row.script.endswith(STACK_SUFFIX) else ""
+    return (script_label(row.script.removesuffix(STACK_SUFFIX)) + stack
+            + (f"\n{row.processes()}" if row.processes() else ""))
 
 
 def category_label(key):

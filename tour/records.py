@@ -1,6 +1,7 @@
 """The numbers a tour leaves behind, read from its JSON files into rows; anything missing is None.
 
-A results directory holds one record per numbered script (written by the script itself), tour.json
+A results directory holds one record per numbered script (written by the script itself; the
+tour keeps the combined script's run with the whole stack as 10_combined_stack.json), tour.json
 (written by `python -m tour`: which steps ran, in what order, and how each ended) and
 estimate.json (written by `python -m estimate`; estimate/records.py reads it). Records from other
 versions of the scripts may lack fields or hold nulls; every reader here turns those into None
@@ -15,6 +16,7 @@ from estimate.records import breakdown_of, finite, whole_number
 
 TOUR_FILE = "tour.json"
 RECORD_PATTERN = "[0-9][0-9]_*.json"  # the numbered scripts' records
+STACK_SUFFIX = "_stack"  # 10_combined_stack: the tour's run of 10_combined.py with the whole stack
 Z_95 = 1.959964  # the standard normal's 97.5th percentile: a two-sided 95% interval
 
 # What results/<script>.json holds (common/summary.py's report writes it), one home: field, when
@@ -119,6 +121,7 @@ class StepRow:
     test_loss: float | None = None  # --task causal-lm: the next-token loss, in place of accuracy
     test_perplexity: float | None = None
     model_state_bytes_per_parameter: float | None = None  # see common.memory
+    switches: list | None = None  # 10_combined.py's switches the tour passed (tour.json)
 
     def processes(self):
         """"2 processes, cpu" for a step run in several processes (and on which device), else ""."""
@@ -159,6 +162,8 @@ def step_row(script, record, outcome=None):
         test_loss=finite(record.get("test_loss")),
         test_perplexity=finite(record.get("test_perplexity")),
         model_state_bytes_per_parameter=finite(record.get("model_state_bytes_per_parameter")),
+        switches=([str(word) for word in outcome["switches"]]
+                  if isinstance(outcome.get("switches"), list) else None),
     )
 
 

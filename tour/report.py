@@ -24,7 +24,7 @@ from estimate.records import (
 )
 from steps import STEPS, step_id, with_parent
 from tour.charts import estimate_figure, save_png, tour_figure
-from tour.records import in_units, load_step_rows, read_tour, shown
+from tour.records import STACK_SUFFIX, in_units, load_step_rows, read_tour, shown
 
 TOUR_TABLE, TOUR_CHART = "tour-table.md", "tour-chart.png"
 ESTIMATE_TABLE, ESTIMATE_CHART = "estimate-table.md", "estimate-chart.png"
@@ -39,7 +39,27 @@ def cell(text):
 
 
 def step_name(row):
-    return with_parent(row.script) + (f" ({row.processes()})" if row.processes() else "")
+    name = (f"{row.script.removesuffix(STACK_SUFFIX)} (whole stack)"
+            if row.script.endswith(STACK_SUFFIX) else with_parent(row.script))
+    return name + (f" ({row.processes()})" if row.processes() else "")
+
+
+def entry(row):
+    """The row's step in steps.py, or None for a script it does not list."""
+    return STEPS.get(step_id(row.script))
+
+
+def combined_note(rows):
+    """What the combined script's rows ran: its switches, as tour.json says them."""
+    runs = [row for row in rows if row.switches is not None and getattr(entry(row), "combined", False)]
+    if not runs:
+        return ""
+    said = [f"{step_name(row)}: " + (f"`{' '.join(row.switches)}`" if row.switches else
+                                     "no switch (03's bfloat16 run, created on its device as 06)")
+            for row in runs]
+    return ("The combined script (10), one process each run: " + "; ".join(said)
+            + (". The whole stack: every switch of the estimate's chain (estimate/stack.py) that "
+               "one run combines" if any(row.switches for row in runs) else "") + ".\n")
 
 
 def baseline_peak(rows):
@@ -138,8 +158,7 @@ SYNCHRONIZING_NOTE = (" and ".join(step.id for step in STEPS.values() if step.sy
 
 def synchronizes(row):
     """Whether the row's step has an optimizer that waits for the GPU (steps.py says which)."""
-    step = STEPS.get(step_id(row.script))
-    return step is not None and step.synchronizes
+    return getattr(entry(row), "synchronizes", False)
 
 
 def tour_markdown(rows, tour=None):
@@ -167,6 +186,7 @@ def tour_markdown(rows, tour=None):
     else:
         parts.append(interval_note(rows))
     parts.append(tour_table(rows) if rows else "No steps ran.\n")
+    parts.append(combined_note(rows))
     if "cuda" in devices and any(synchronizes(row) for row in rows):
         parts.append(SYNCHRONIZING_NOTE)
     estimate_outcome = tour.get("estimate")

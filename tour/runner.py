@@ -5,6 +5,8 @@
   python -m tour --steps 01 03 --max-steps 2 --epochs 1 --skip-estimate   # a quick look
   python -m tour --publish docs   # also copy the tables and charts to docs/ for the README
 
+The combined script (10) runs last, twice, as one process: with no switch, and with the whole
+stack (estimate/stack.py's chain up to --offload); the second's record is 10_combined_stack.json.
 Steps from 07 on shard across processes and run under torchrun: with 2 GPUs or more, one
 process per GPU (at most --nproc, and as many as the preset's batch splits over); with one GPU,
 one process on it for the GPU presets (article, imdb) and 2 CPU processes (gloo) for the CPU
@@ -34,9 +36,10 @@ from common.atomic_write import atomic_path, write_json_atomically
 from common.cli import add_shared_flags, positive_int
 from common.presets import PRESETS, for_task
 from estimate.records import ESTIMATE_FILE
+from estimate.stack import whole_stack
 from estimate.table import processes_for
-from steps import UnknownStep, select, step_of
-from tour.records import TOUR_FILE, read_json
+from steps import STEPS, UnknownStep, select, step_of
+from tour.records import STACK_SUFFIX, TOUR_FILE, read_json
 from tour.report import ESTIMATE_CHART, ESTIMATE_TABLE, REPORT_FILES, TOUR_CHART, TOUR_TABLE, write_report
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -58,6 +61,15 @@ class Command:
     argv: list           # the program and its arguments
     output: str          # the file it must leave in the results directory
     record_name: str     # the name tour.json gives it
+    switches: tuple = ()  # 10_combined.py's switches it passes (tour.json says them)
+    written: str | None = None  # where it writes `output`, when elsewhere (the tour moves it)
+
+
+def tour_steps(names, task):
+    """The steps --steps `names` picks (steps.select), or with none every step and branch, then
+    the combined script, which steps.select picks only when named."""
+    chosen = select(names, task)
+    return chosen if names else [*chosen, *(step for step in STEPS.values() if step.combined)]
 
 
 def step_scripts(steps, scripts_dir=None):
@@ -110,6 +122,7 @@ def sharded_launch(gpu_count, nproc=None, device="auto", preset=DEFAULT_PRESET, 
 
 
 def script_command(script, results_dir, passed_flags, launch):
+    """A step's script; the combined script is two of them (combined_commands)."""
     if step_of(script).sharded:
         launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone",  # a free port
                     f"--nproc_per_node={launch.processes}"]
@@ -118,6 +131,18 @@ def script_command(script, results_dir, passed_flags, launch):
         launcher = [sys.executable]
     command = [*launcher, str(script), "--results-dir", str(results_dir), *passed_flags]
     return Command(script.name, command, f"{script.stem}.json", script.stem)
+
+
+def combined_commands(script, results_dir, passed_flags, launch, task):
+    """The combined script twice: with no switch, and with the whole stack for `task` (one
+    process each: steps.py says it is not sharded). The second writes into a folder of its own,
+    and the tour keeps its record beside the first one's as NN_name_stack.json."""
+    switches = tuple(whole_stack(task))
+    stack = f"{script.stem}{STACK_SUFFIX}"
+    apart = script_command(script, results_dir / stack, [*passed_flags, *switches], launch)
+    return [script_command(script, results_dir, passed_flags, launch),
+            Command(f"{script.name} {' '.join(switches)}", apart.argv, f"{stack}.json", stack,
+                    switches, written=f"{stack}/{apart.output}")]
 
 
 def estimate_command(results_dir):
@@ -198,6 +223,8 @@ def run_command(command, results_dir, position, timeout=STEP_TIMEOUT):
         finally:
             watchdog.cancel()
     seconds = time.perf_counter() - start
+    if command.written and (results_dir / command.written).is_file():
+        os.replace(results_dir / command.written, results_dir / command.output)
     timed_out = seconds >= timeout and returncode != 0
     _, unreadable = read_json(results_dir / command.output)
     error_line, error_lines = error_excerpt(stderr_lines)
@@ -211,7 +238,8 @@ def run_command(command, results_dir, position, timeout=STEP_TIMEOUT):
         error, error_lines = None, []
     print(f"{position} {command.name} {'ok' if error is None else 'FAILED, ' + error} "
           f"({seconds:.1f} s)", flush=True)
-    return {"script": command.record_name, "returncode": returncode,
+    return {"script": command.record_name, "switches": list(command.switches),
+            "returncode": returncode,
             "wall_seconds": round(seconds, 1), "status": "ok" if error is None else "failed",
             "error": error, "error_lines": error_lines}
 
@@ -249,7 +277,9 @@ def parse_args(argv=None, scripts_dir=None):
                              "results/PRESET for another preset than tiny, results/PRESET-causal-lm "
                              "under --task causal-lm)")
     parser.add_argument("--steps", nargs="+", metavar="NN",
-                        help="run only these steps, e.g. --steps 01 03 (default: all)")
+                        help="run only these steps, e.g. --steps 01 03 (default: all, and "
+                             "10, the combined script, twice: with no switch and the whole "
+                             "stack)")
     add_shared_flags(parser, ["--max-steps", "--epochs"])
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
                         help="passed to every script (auto: each script's own choice, and the "
@@ -267,7 +297,7 @@ def parse_args(argv=None, scripts_dir=None):
     args = parser.parse_args(argv)
     try:
         for_task(PRESETS[args.preset], args.task)
-        args.scripts = step_scripts(select(args.steps, args.task), scripts_dir)
+        args.scripts = step_scripts(tour_steps(args.steps, args.task), scripts_dir)
     except UnknownStep as problem:
         parser.error(f"--steps: {problem}")
     except ValueError as problem:
@@ -302,8 +332,10 @@ def main(argv=None, scripts_dir=None):
     results_dir.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=".tour-", dir=results_dir))
     try:
-        commands = [script_command(script, staging, args.passed_flags, args.launch)
-                    for script in args.scripts]
+        commands = [command for script in args.scripts for command in (
+            combined_commands(script, staging, args.passed_flags, args.launch, args.task)
+            if step_of(script).combined else
+            [script_command(script, staging, args.passed_flags, args.launch)])]
         if any(step_of(script).sharded for script in args.scripts):
             print(f"sharded steps: {args.launch.reason}", flush=True)
         estimate = (None if args.skip_estimate or not PRESETS[args.preset].tour_estimate

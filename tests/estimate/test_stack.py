@@ -193,3 +193,20 @@ def test_a_prefix_whose_weights_and_state_exceed_the_gpu_is_not_estimated(every_
     assert isinstance(said.pop("offload"), int)
     assert all(value.startswith("not estimated: its weights and optimizer state alone hold")
                for value in said.values())
+
+
+@pytest.mark.parametrize("task", ["classification", "causal-lm"])
+def test_the_whole_stack_is_every_switch_until_a_link_takes_one_out(task, combined):
+    """What the tour runs 10_combined.py with: every earlier link's switch, in one process."""
+    words = stack.whole_stack(task)
+    links = [link for link, switches, _ in stack.prefixes(task) if switches is not None]
+    stop = next(number for number, link in enumerate(links)
+                if any(value is stack.REMOVE for _, value in link.sets))
+    assert {flag for link in links[:stop] for flag, _ in link.sets} == {
+        word for word in words if word.startswith("--")}
+    assert "--checkpointing offloaded" in " ".join(words)  # the later link's value, not 05c's
+    assert ("--loss" in words) is (task == "causal-lm")
+    # the link after would take some of them out: no single run goes further
+    assert {flag for flag, value in links[stop].sets if value is stack.REMOVE} & set(words)
+    _, refused = parsed(combined, ["python", "10_combined.py", "--task", task, *words])
+    assert refused is None

@@ -15,9 +15,10 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from common.memory import BREAKDOWN_KEYS
 from conftest import QUICK, ROOT
 from estimate.records import GB, MIB, load_estimates, published_gb
+from estimate.stack import whole_stack
 from tour import runner as tour
 from tour.charts import NOT_BROKEN_DOWN, estimate_figure, tour_figure
-from tour.records import load_step_rows, wilson_interval
+from tour.records import load_step_rows, read_json, wilson_interval
 from tour.report import (
     ESTIMATE_CHART,
     ESTIMATE_TABLE,
@@ -315,14 +316,16 @@ def test_tour_shows_failed_steps_and_runs_the_rest(tmp_path, monkeypatch, capfd)
 
     assert status == 1
     output = capfd.readouterr()
-    positions = [output.out.index(f"[{n}/5] {name} ...") for n, name in enumerate(
+    stack = " ".join(whole_stack("classification"))
+    positions = [output.out.index(f"[{n}/7] {name} ...") for n, name in enumerate(
         ["01_writes_record.py", "02_crashes.py", "03_writes_nothing.py", "07_distributed.py",
-         "estimate"], 1)]
-    assert positions == sorted(positions)
+         "10_takes_switches.py", f"10_takes_switches.py {stack}", "estimate"], 1)]
+    assert positions == sorted(positions)  # the combined script twice, after the steps
     assert "RuntimeError: broken on purpose" in output.err  # stderr streamed through
     rows = table_rows((results / TOUR_TABLE).read_text())
     assert list(rows) == ["01_writes_record", "02_crashes", "03_writes_nothing",
-                          "07_distributed (2 processes, cpu)"]
+                          "07_distributed (2 processes, cpu)", "10_takes_switches",
+                          "10_takes_switches (whole stack)"]
     assert rows["01_writes_record"][-1] == "ok"
     assert rows["02_crashes"][-1] == "failed: exit status 1: RuntimeError: broken on purpose"
     assert rows["03_writes_nothing"][-1] == "failed: exit status 0 but no 03_writes_nothing.json"
@@ -347,6 +350,49 @@ def test_a_text_tour_passes_its_preset_and_keeps_its_results_apart(tmp_path, mon
     assert "skipped (the tour's GPU estimate predicts the image steps (article preset); for " \
            "text, python -m estimate --preset imdb)" in table
     assert not (tmp_path / "results" / "01_writes_record.json").exists()
+
+
+@pytest.mark.parametrize("preset, task", [("tiny", "classification"), ("tiny-text", "causal-lm")])
+def test_the_combined_script_runs_twice_and_both_records_are_kept(preset, task, tmp_path):
+    """--steps 10: its default, then every switch of the stack that one run combines."""
+    results = tmp_path / "results"
+    status = tour.main(["--steps", "10", "--preset", preset, "--task", task, "--max-steps", "2",
+                        "--skip-estimate", "--results-dir", str(results)],
+                       scripts_dir=FIXTURES / "fake_steps")
+    assert status == 0
+    stack = whole_stack(task)
+    assert ("--loss" in stack) is (task == "causal-lm") and "--offload" not in stack
+    default, _ = read_json(results / "10_takes_switches.json")
+    whole, _ = read_json(results / "10_takes_switches_stack.json")
+    assert default["switches"] == [] and whole["switches"] == stack  # neither overwrote the other
+    assert sorted(path.name for path in results.iterdir() if path.is_dir()) == []
+    tour_json, _ = read_json(results / "tour.json")
+    assert [(step["script"], step["switches"]) for step in tour_json["steps"]] == [
+        ("10_takes_switches", []), ("10_takes_switches_stack", stack)]
+    table = (results / TOUR_TABLE).read_text()
+    assert list(table_rows(table)) == ["10_takes_switches", "10_takes_switches (whole stack)"]
+    assert f"10_takes_switches (whole stack): `{' '.join(stack)}`" in table
+    assert "10_takes_switches: no switch" in table
+
+
+@pytest.mark.parametrize("steps, ids", [(None, ["01", "02", "03", "07", "10"]),
+                                        (["01"], ["01"]), (["10"], ["10"]), (["7", "10"], ["07", "10"])])
+def test_the_tour_runs_the_combined_script_by_default_or_when_named(steps, ids):
+    args = tour.parse_args(["--steps", *steps] if steps else [], scripts_dir=FIXTURES / "fake_steps")
+    assert [script.name[:2] for script in args.scripts] == ids
+
+
+def test_the_whole_stacks_record_reads_as_such_without_tour_json(tmp_path):
+    for name in ("10_combined", "10_combined_stack"):
+        (tmp_path / f"{name}.json").write_text(json.dumps({"script": "10_combined",
+                                                           "peak_memory_bytes": 2**20}))
+    write_report(tmp_path)
+    table = (tmp_path / TOUR_TABLE).read_text()
+    assert list(table_rows(table)) == ["10_combined", "10_combined (whole stack)"]
+    assert "The combined script" not in table  # which switches ran: only tour.json says
+    labels = [label.get_text() for label in
+              panel(tour_figure(load_step_rows(tmp_path)), "accuracy").get_xticklabels()]
+    assert labels == ["10\ncombined", "10\ncombined\nwhole stack"]
 
 
 @pytest.mark.timeout(60)
