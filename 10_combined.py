@@ -538,8 +538,8 @@ def main(argv=None):
     if needs and NO_BITSANDBYTES:
         raise SystemExit(f"error: {needs} needs {NO_BITSANDBYTES}; or leave {needs} out")
     args.lora_alpha = args.lora_alpha or 16.0
-    if args.reshard_after_forward is None:
-        args.reshard_after_forward = True
+    if args.reshard_after_forward is None and launched_sharded(args):
+        args.reshard_after_forward = True  # FSDP's default, as 07-09's (null in an unsharded record)
     if args.estimate:  # predict instead: this script's main() on fake tensors (estimate/)
         from estimate import estimate
         return estimate(__file__, argv)

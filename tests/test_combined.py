@@ -240,6 +240,7 @@ def test_each_scripts_switches_train_as_the_script(name, tmp_path, small_snippet
     assert actual["peak_memory_bytes"] == expected["peak_memory_bytes"]
     assert actual["breakdown_bytes"] == expected["breakdown_bytes"]
     assert actual["world_size"] == expected["world_size"]
+    assert actual["reshard_after_forward"] == expected["reshard_after_forward"]  # null unsharded
     assert_follows(actual["losses"], expected["losses"], "tiny-text" if step.task else "tiny")
 
 
