@@ -485,6 +485,9 @@ def refusal(args):
     if args.optimizer_in_backward and args.precision == "mixed":
         return ("--optimizer-in-backward with --precision mixed: the loss scaler checks every "
                 "gradient for inf before one step; use --precision bf16 or fp32")
+    if args.optimizer_in_backward and args.compile:
+        return ("--optimizer-in-backward with --compile: the compiled model hands back every "
+                "gradient at once, after its backward, so no step frees one early; use one of them")
     if args.optimizer_in_backward and launched_sharded(args):
         return (f"--optimizer-in-backward with {sharded}: FSDP hands each process its gradient "
                 "shards after backward, not as backward completes each weight")
@@ -507,6 +510,14 @@ def refusal(args):
     if args.optimizer_on_host and launched_sharded(args):
         return ("--optimizer-on-host with sharding (torchrun): use --offload, which keeps each "
                 "process's shards, their state and the step in host memory")
+    if args.precision == "mixed" and args.offload:
+        return ("--precision mixed with --offload: the loss scaler's check for inf all-reduces a "
+                "flag made beside the gradient shards in host memory, which a GPU group (NCCL) "
+                "cannot carry; use --precision bf16 or fp32")
+    if args.qlora and args.precision == "mixed":
+        return ("--qlora with --precision mixed: the 4-bit layers compute in their float32 "
+                "weights' dtype and autocast copies each dequantized weight again in float16; use "
+                "--precision bf16")
     if args.optimizer_on_host and args.precision == "mixed":
         return ("--optimizer-on-host with --precision mixed: the loss scaler unscales the "
                 "gradients on the device, before the step; use --precision bf16 or fp32")

@@ -285,6 +285,8 @@ REFUSED = {
     frozenset({"chunked", "offload"}): "--loss chunked with --offload",
     frozenset({"lora", "offload"}): "--lora-rank with --offload",
     frozenset({"qlora", "offload"}): "--lora-rank with --offload",
+    frozenset({"mixed", "offload"}): "--precision mixed with --offload",
+    frozenset({"qlora", "mixed"}): "--qlora with --precision mixed",
 }
 # --reshard-after-forward says how FSDP shards: with anything but --offload, sharding is off
 REFUSED.update({frozenset({"reshard", name}): "--reshard-after-forward without sharding"
@@ -461,6 +463,12 @@ STACKS = [
     # backward, activations recomputed from inputs in host memory, the loss in pieces
     ("chunked", "offloaded", "adamw-8bit", "in-backward", "on-host"),
 ]
+
+
+def test_the_optimizer_in_backward_and_compile_stop_in_one_line(tmp_path, monkeypatch):
+    result = run_switches(["in-backward", "compile"], tmp_path, monkeypatch)
+    assert isinstance(result, str) and "\n" not in result
+    assert result.startswith("error: --optimizer-in-backward with --compile:"), result
 
 
 @pytest.mark.parametrize("names", STACKS, ids="+".join)
