@@ -324,7 +324,7 @@ def stack_text(answer, model_argv, batch_size, capacity, size, adapter_answers):
         lines = [f"The stack: {answer.link.name} fits batch {batch_size} in --gpu-memory {size}; "
                  + (micro_words(fit, per) if fit.accumulates
                     else "the whole batch at once (stepped in backward, it is not split)")
-                 + (f" ({fit.problem})" if fit.problem else ""),
+                 + peak_words(fit) + (f" ({fit.problem})" if fit.problem else ""),
                  "  " + command(model_argv, batch_size, answer.switches, fit, answer.world_size)]
     words = []
     for switches, fit, problem in adapter_answers:
@@ -339,6 +339,16 @@ def stack_text(answer, model_argv, batch_size, capacity, size, adapter_answers):
     if words:
         lines.append("with adapters (they train something else): " + "; ".join(words))
     return "\n".join(lines)
+
+
+def peak_words(fit):
+    """The predicted peak of the largest micro-batch estimated that fits."""
+    fitting = [micro for micro, (_, reserved) in fit.tried.items()
+               if micro <= fit.largest and reserved <= fit.capacity]
+    if not fitting:
+        return ""
+    micro = max(fitting)
+    return f"; {size_text(fit.tried[micro][1])} reserved at micro-batch {micro}"
 
 
 def micro_words(fit, per=""):

@@ -147,6 +147,9 @@ def test_a_size_between_two_prefixes_picks_the_first_that_fits(between, combined
         assert getattr(args, flag[2:].replace("-", "_")) == value
     text = stack.stack_text(answer, model, BATCH, size, "SIZE", [])
     assert " ".join(words) in text and links[expected].name in text
+    shown = max(micro for micro, (_, nbytes) in fit.tried.items()
+                if nbytes <= size and micro <= fit.largest)
+    assert f"{size_text(fit.tried[shown][1])} reserved at micro-batch {shown}" in text  # its peak
 
 
 def test_two_workers_answer_as_one_does(between, every_prefix):
