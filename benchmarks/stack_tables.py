@@ -29,7 +29,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from estimate import stack  # noqa: E402
-from estimate.predict import Row, attempt  # noqa: E402
+from estimate.fit import micro_row  # noqa: E402
+from estimate.predict import attempt  # noqa: E402
 from estimate.records import GB, MIB  # noqa: E402
 from estimate.table import main as estimate_main  # noqa: E402
 from steps import STEPS  # noqa: E402
@@ -51,12 +52,12 @@ def accumulates(switches):
     return ("--optimizer-in-backward", True) not in switches
 
 
-def predicted(argv, micro, batch, world=1):
-    """The predicted A100 reserved bytes of 10_combined.py with `argv`, `batch` samples in
-    micro-batches of `micro` per process, and None; or None and why not."""
-    steps = batch // world // micro
-    flags = ["--batch-size", str(batch), *(["--accum-steps", str(steps)] if steps > 1 else [])]
-    record, problem, _ = attempt(Row(COMBINED, [*argv, *flags], world, "a100", any_batch_size=True))
+def predicted(argv, micro, world=1):
+    """The predicted A100 reserved bytes of 10_combined.py with `argv` in micro-batches of
+    `micro` per process (two of them when the run accumulates, which peak as any number of
+    them do: estimate/fit.py), and None; or None and why not."""
+    accumulates = ("--optimizer-in-backward") not in argv
+    record, problem, _ = attempt(micro_row(COMBINED, argv, world, micro, accumulates, "a100"))
     return (record["reserved_bytes"], None) if record else (None, problem)
 
 
@@ -70,21 +71,22 @@ def measured(switches, results_dir):
     return json.loads((Path(results_dir) / "10_combined.json").read_text())
 
 
-def chain_table():
+def chain_table(runs=True):
     model = ["--model", str(MODELS["Llama-3.2-1B"]), *LLM, "--device", "cuda"]
     lines = ["| prefix (adds) | CPU peak, tiny-text | model state per parameter | "
              f"time of steps 3-{CPU_STEPS} | test loss | predicted A100 peak, Llama-3.2-1B |",
              "|---|---:|---:|---:|---:|---:|"]
     with tempfile.TemporaryDirectory() as results_dir:
         for link, switches in chain_rows("causal-lm"):
-            record = measured(switches, results_dir)
+            record = measured(switches, results_dir) if runs else None
             micro = 1 if accumulates(switches) else LM_BATCH
-            reserved, problem = predicted([*model, *stack.argv_of(switches)], micro, LM_BATCH)
+            reserved, problem = predicted([*model, *stack.argv_of(switches)], micro)
+            cells = ("| not run (--predicted-only) " * 4 if record is None else
+                     f"| {record['peak_memory_bytes'] / MIB:.2f} MiB "
+                     f"| {record['model_state_bytes_per_parameter']:.2f} "
+                     f"| {record['train_seconds']:.1f} s | {record['test_loss']:.3f} ")
             lines.append(f"| {link.name} (`{' '.join(stack.argv_of(link_switches(link))) or 'defaults'}`) "
-                         f"| {record['peak_memory_bytes'] / MIB:.2f} MiB "
-                         f"| {record['model_state_bytes_per_parameter']:.2f} "
-                         f"| {record['train_seconds']:.1f} s | {record['test_loss']:.3f} "
-                         f"| {f'{reserved / GB:.2f} GB' if reserved else problem} |")
+                         f"{cells}| {f'{reserved / GB:.2f} GB' if reserved else problem} |")
     return "\n".join(lines)
 
 
@@ -124,7 +126,7 @@ def article_table():
         together = "" if accumulates(switches) else " (the batch at once)"
         cells = []
         for batch, micro in ((64, 1), (16, 4)):
-            reserved, problem = predicted(argv, micro if together == "" else batch, batch)
+            reserved, problem = predicted(argv, micro if together == "" else batch)
             cells.append(f"{reserved / GB:.3f} GB{together}" if reserved else f"failed: {problem}")
             if reserved and reserved < least.get(batch, (float("inf"),))[0]:
                 least[batch] = (reserved, link.name)
@@ -140,10 +142,12 @@ def main():
     parser.add_argument("parts", nargs="*", choices=["chain", "stacks", "article"],
                         default=["chain", "stacks", "article"])
     parser.add_argument("--jobs", type=int, default=2, help="estimates at once (stacks)")
+    parser.add_argument("--predicted-only", action="store_true",
+                        help="chain: the predicted column only, without the CPU runs")
     args = parser.parse_args()
     for part in args.parts:
         start = time.perf_counter()
-        text = {"chain": chain_table, "article": article_table,
+        text = {"chain": lambda: chain_table(not args.predicted_only), "article": article_table,
                 "stacks": lambda: stacks_table(args.jobs)}[part]()
         print(f"\n### {part}\n\n{text}\n\n({part}: {time.perf_counter() - start:.0f} s)", flush=True)
 
