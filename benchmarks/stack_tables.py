@@ -1,4 +1,4 @@
-"""Benchmark: the tables of docs/combined.md's "Stacking them" section, from runs of 10_combined.py.
+"""Benchmark: the tables of docs/combined.md's "The stack: what fits" section, from runs of 10_combined.py.
 
   python benchmarks/stack_tables.py [chain] [stacks] [article] [--jobs 2]
 
