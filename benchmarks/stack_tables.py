@@ -56,7 +56,7 @@ def predicted(argv, micro, world=1):
     """The predicted A100 reserved bytes of 10_combined.py with `argv` in micro-batches of
     `micro` per process (two of them when the run accumulates, which peak as any number of
     them do: estimate/fit.py), and None; or None and why not."""
-    accumulates = ("--optimizer-in-backward") not in argv
+    accumulates = "--optimizer-in-backward" not in argv
     record, problem, _ = attempt(micro_row(COMBINED, argv, world, micro, accumulates, "a100"))
     return (record["reserved_bytes"], None) if record else (None, problem)
 

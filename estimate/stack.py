@@ -199,13 +199,13 @@ def walk(script, base_argv, batch_size, world_size, capacity, task, gpu, report=
                 report(f"[stack] {link.name}: {plan}")
             continue
         argv, world, micro, accumulates = plan
-        record, problem, seconds = next(outcomes)
+        record, problem, took = next(outcomes)
         reserved = record and record["reserved_bytes"]
         answer.parameters = answer.parameters or (record or {}).get("parameter_count", 0)
         answer.tried.append((link, switches, notes, reserved if record else problem))
         report(f"[stack] {link.name}: " + (f"{size_text(reserved)} reserved at micro-batch "
                                             f"{micro}" if record else f"failed: {problem}")
-               + f" ({seconds:.1f} s)")
+               + f" ({took:.1f} s)")
         if record is None or reserved > capacity or batch_size % world:
             continue
         outcomes.close()  # the later prefixes are not needed: their estimates stop
