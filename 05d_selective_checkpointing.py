@@ -1,9 +1,9 @@
 """05d selective activation checkpointing: 05c keeping the outputs of the matrix products and attention.
 
 05c recomputes every operator of a block in backward, the matrix products too. Here the outputs
-of the matrix products, the convolutions and attention are kept from forward (torchtitan's
-op-level policy), and only the cheap operators between them run again: memory between 04's and
-05c's, and element-wise kernels recomputed instead of a second forward's FLOPs.
+of the weights' matrix products, the convolutions and the attention kernels are kept from forward
+(a policy by operator), and only the cheap operators between them run again: memory between 04's
+and 05c's, and element-wise kernels recomputed instead of a second forward's FLOPs.
 
   python %(prog)s                                  # tiny preset: offline, about 30 s on a laptop CPU
   python %(prog)s --preset article                 # the study: ViT-L/16 on CIFAR-10 (GPU and network)
@@ -29,7 +29,9 @@ from common.summary import report
 
 DTYPE = torch.bfloat16  # bf16-true: weights, gradients, optimizer state and activations
 ATEN = torch.ops.aten  # selective checkpointing: the operators whose outputs forward keeps
-SAVED = [ATEN.mm.default, ATEN.addmm.default, ATEN.bmm.default, ATEN.baddbmm.default,
+# the weights' products and the attention kernels; not bmm or baddbmm, which make the score
+# matrices (batch x heads x tokens x tokens) of a model's own attention code (BLOOM's), 05c's saving
+SAVED = [ATEN.mm.default, ATEN.addmm.default,
          ATEN.convolution.default, ATEN._scaled_dot_product_flash_attention_for_cpu.default,
          ATEN._scaled_dot_product_flash_attention.default,
          ATEN._scaled_dot_product_efficient_attention.default,

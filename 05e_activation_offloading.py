@@ -42,6 +42,8 @@ class OffloadedInputs(torch.autograd.graph.saved_tensors_hooks):  # activation o
             return tensor
         if self.stream is None:  # a CPU: copied all the same, so the estimate sees it move
             return tensor.device, tensor.to(HOST, copy=True)
+        if not tensor.is_cuda:  # a placeholder that checkpointing saves on the CPU (torch 2.11)
+            return tensor
         self.stream.wait_stream(torch.cuda.current_stream())  # once the tensor is computed
         with torch.cuda.stream(self.stream):  # overlaps the compute stream's next kernels
             host = torch.empty(tensor.shape, dtype=tensor.dtype, device=HOST, pin_memory=True)

@@ -93,10 +93,11 @@ def train(args, device):
             progress.step(epoch, loss)
             if progress.steps == total_steps:
                 break
-        progress.epoch(epoch, args.epochs, evaluate(model, data.val, device, DTYPE))  # bf16-true
+        score = evaluate(model, data.val, device, DTYPE, chunked_loss)  # bf16-true, chunked loss
+        progress.epoch(epoch, args.epochs, score)  # chunked loss
         if progress.steps == total_steps:
             break
-    test_score = evaluate(model, data.test, device, DTYPE)  # bf16-true: bfloat16 inputs
+    test_score = evaluate(model, data.test, device, DTYPE, chunked_loss)  # bf16-true, chunked loss
     return report(args, __file__, creation, meter, progress, test_score)
 
 

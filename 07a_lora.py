@@ -37,9 +37,15 @@ class LoRALinear(torch.nn.Module):  # LoRA
         super().__init__()
         inputs, outputs = base.weight.shape if isinstance(base, Conv1D) else base.weight.shape[::-1]
         self.base, self.scale = base, alpha / rank
-        self.down = torch.nn.Linear(inputs, rank, bias=False, dtype=DTYPE)  # A: random
-        self.up = torch.nn.Linear(rank, outputs, bias=False, dtype=DTYPE)  # B: zero at first
-        torch.nn.init.kaiming_uniform_(self.down.weight, a=math.sqrt(5))
+        # made uninitialised where creation runs (the GPU): A is drawn on the CPU, as the model's
+        # own weights are, so that a run starts from the same adapters on every device
+        here = dict(bias=False, dtype=DTYPE, device=torch.get_default_device())
+        self.down = torch.nn.utils.skip_init(torch.nn.Linear, inputs, rank, **here)  # A: random
+        self.up = torch.nn.utils.skip_init(torch.nn.Linear, rank, outputs, **here)  # B: zero at first
+        drawn = torch.empty(rank, inputs, dtype=DTYPE, device="cpu")
+        torch.nn.init.kaiming_uniform_(drawn, a=math.sqrt(5))
+        with torch.no_grad():
+            self.down.weight.copy_(drawn)
         torch.nn.init.zeros_(self.up.weight)
 
     def forward(self, x):

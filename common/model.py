@@ -115,7 +115,9 @@ def load_pretrained(preset, dtype, device):
     # files are read into host memory, in this thread (so MemTracker sees them), and only
     # the converted weights go to `device` (with its index: cuda:N, not "cuda")
     try:
-        with where, torch.device("cpu"), loading_in_this_thread():
+        # the draws of transformers' own initialisation (the new head, on `device`) leave the
+        # CPU's generator as it was: `initialise` then draws the same head on every device
+        with where, torch.device("cpu"), loading_in_this_thread(), torch.random.fork_rng(devices=[]):
             model, loading = model_class(preset).from_pretrained(
                 source, **preset.config, **task_settings(preset),  # the preset's settings
                 ignore_mismatched_sizes=True,  # a new head

@@ -162,6 +162,16 @@ def test_selective_checkpointing_recomputes_attention_that_draws_random_numbers(
     assert module.keep_or_recompute(None, aten.gelu.default, query) == policy.PREFER_RECOMPUTE
 
 
+def test_selective_checkpointing_recomputes_the_score_matrices_of_attention_in_python():
+    """BLOOM's attention (its own code) makes each layer's batch x heads x tokens x tokens scores
+    with baddbmm: those are what 05c frees, so 05d recomputes them (and bmm's likewise)."""
+    module = load_script("05d")
+    scores = torch.zeros(2, 4, 4)
+    for op, arguments in ((torch.ops.aten.baddbmm.default, (scores, scores, scores)),
+                          (torch.ops.aten.bmm.default, (scores, scores))):
+        assert module.keep_or_recompute(None, op, *arguments) == module.CheckpointPolicy.PREFER_RECOMPUTE
+
+
 @pytest.mark.numerical
 def test_selective_checkpointing_trains_as_05c(tmp_path):
     """Reusing saved outputs instead of recomputing them changes no result."""

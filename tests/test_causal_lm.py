@@ -85,6 +85,55 @@ def test_the_chunked_loss_is_the_models_own_loss_within_rounding():
                     additions(model.config, tokens), what="chunked loss")
 
 
+def five_texts_and_a_decoder():
+    from common.cli import parse_args
+    from common.data import tokenized, tokenizer_for
+    from common.model import create_model
+    from common.presets import preset_for
+    torch.manual_seed(0)
+    preset = preset_for(parse_args("", CAUSAL_LM))
+    texts = ["a film", "a long and winding film about films", "it", "good", "not good at all"]
+    data = tokenized(texts, None, tokenizer_for(preset), 12, task="causal-lm")
+    return data, create_model(preset)
+
+
+def test_evaluation_takes_a_loss_in_place_of_the_models_own_one_text_at_a_time():
+    """05g evaluates with its chunked loss: evaluate() calls the loss it is given, once a text,
+    and its mean is the model's own loss's when that is the loss given."""
+    from common.data import make_loader
+    from common.evaluate import evaluate, models_own_loss
+    data, model = five_texts_and_a_decoder()
+    loader = make_loader(data, 4, shuffle=False)
+    calls = []
+
+    def counted(model, inputs, labels):
+        calls.append(len(labels))
+        return models_own_loss(model, inputs, labels)
+
+    assert evaluate(model, loader, torch.device("cpu"), loss=counted) == evaluate(
+        model, loader, torch.device("cpu"))
+    assert calls == [1] * 5
+
+
+def test_a_process_with_a_smaller_share_runs_as_many_forwards_and_counts_its_texts_alone():
+    """Two processes sharding the model (07-09) evaluate the last batch of 5 texts as 3 and 2:
+    the second runs a third forward (FSDP gathers with the first), which counts for nothing."""
+    from common.data import IGNORED, make_loader
+    from common.evaluate import evaluate, models_own_loss
+    data, model = five_texts_and_a_decoder()
+    forwards, tokens = [], {}
+    for rank in (0, 1):
+        loader = make_loader(data, 5, shuffle=False, rank=rank, world_size=2)
+        calls = []
+        score = evaluate(model, loader, torch.device("cpu"),
+                         loss=lambda *args: calls.append(1) or models_own_loss(*args))
+        forwards.append(len(calls))
+        labels = data[rank::2]["label"]
+        tokens[rank] = (score.tokens, int((labels[:, 1:] != IGNORED).sum()))
+    assert forwards == [3, 3]
+    assert all(counted == expected for counted, expected in tokens.values())
+
+
 def test_the_text_labels_are_the_tokens_with_padding_left_out():
     from common.data import IGNORED, tokenized, tokenizer_for
     from common.presets import PRESETS, for_task

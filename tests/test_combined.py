@@ -41,8 +41,11 @@ ADAPTED_LINES = {
     "inputs, labels = to_device(inputs, device, dtype), labels.to(device)":
         "03's line with the dtype --precision chooses (03: DTYPE)",
     "micro_inputs = to_device(micro_inputs, device, dtype)": "the same (04)",
-    "progress.epoch(epoch, args.epochs, evaluate(model, data.val, device, dtype))": "the same",
-    "test_score = evaluate(model, data.test, device, dtype)": "the same",
+    "score = evaluate(model, data.val, device, dtype, evaluation_loss)": "05g's line with the "
+        "loss --loss chooses (05g: chunked_loss) and the dtype --precision chooses",
+    "test_score = evaluate(model, data.test, device, dtype, evaluation_loss)": "the same",
+    "evaluation_loss = chunked_loss if args.loss == \"chunked\" else None": "05g evaluates with "
+        "its chunked loss; 10 with the loss --loss chooses",
     "def step_on_host(optimizer, weights):": "05f's lines of train_step as a function, also "
                                              "called for one weight in backward",
     "sharded = dist.is_initialized()": "07 always shards; 10 under torchrun or with --offload",
@@ -66,6 +69,9 @@ ADAPTED_LINES = {
     "step_on_host(optimizer, trained)": "05f's step, as a function for --optimizer-in-backward too",
     "step_on_host(optimizers[param], [param])": "the same, one weight at a time",
     "for weight, host_weight in zip(weights, host_weights):": "05f's loop over the weights given",
+    "if weights[0].is_cuda:": "05f's wait, on the weights' device (05f: its `device`)",
+    "fused = args.optimizer_on_host and args.device.type == \"cuda\"": "make_optimizer: "
+        "05f's fused Adam on a GPU's host, whatever --optimizer-on-host's parent step",
     "if args.compile and args.checkpointing == \"offloaded\":": "05e's compile of each block, "
         "only when its hooks are on",
     "if args.compile and args.checkpointing != \"offloaded\":": "07's compile of each block "

@@ -120,6 +120,21 @@ def test_the_allocator_counts_what_the_optimizer_step_makes_as_optimizer_state(t
     assert counted == pytest.approx(meter.breakdown["optimizer_state"], abs=1024) and counted > 0
 
 
+def test_the_allocators_count_starts_with_the_4bit_scales():
+    """07b compiled: the state a step starts with holds each 4-bit weight's scales and code
+    tables beside the packed weight, as MemTracker's count of an eager run does."""
+    from common.compiled_memory import AllocationTracker
+    from common.memory import quantization_tensors
+    layer = load_script("07b").in_four_bits(torch.nn.Linear(128, 64, dtype=torch.bfloat16))
+    held = AllocationTracker(layer, torch.optim.SGD([torch.zeros(1)])).state_at_start()
+    scales = quantization_tensors(layer.weight)
+    assert len(scales) >= 2  # the absmax per block (compressed: itself quantized) and the code
+    assert all((scale.device, scale.untyped_storage().data_ptr()) in held for scale in scales)
+    weights = [layer.weight, layer.bias, *scales]
+    assert sum(nbytes for nbytes, _ in held.values()) == sum(
+        tensor.untyped_storage().nbytes() for tensor in weights)
+
+
 def test_without_a_cpu_compiler_compile_stops_with_what_to_install(monkeypatch, capsys):
     from torch._inductor import cpp_builder, exc
 
