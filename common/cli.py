@@ -1,6 +1,7 @@
 """The command line every numbered script shares, with checks that say what was wrong."""
 import argparse
 import importlib.util
+import os
 import signal
 import sys
 import tempfile
@@ -152,6 +153,12 @@ def parse_args(description, argv=None, accum_steps=None, sharded=False, no_accum
     parser.add_argument("--compile", action="store_true",
                         help="torch.compile the model: its first call generates fused kernels for "
                              "the device (C++ on a CPU, Triton on a GPU), reused by later steps")
+    parser.add_argument("--check-estimate", action="store_true",
+                        help="on a GPU, predict this run too (--estimate, in a subprocess while it "
+                             "trains) and record the prediction beside the measured peak")
+    parser.add_argument("--memory-snapshot", metavar="FILE",
+                        help="on a GPU, write PyTorch's memory snapshot of the tracked steps to "
+                             "FILE (a pickle for https://pytorch.org/memory_viz)")
     if accum_steps is not None:
         parser.add_argument("--accum-steps", type=positive_int, default=accum_steps,
                             help=f"micro-batches per optimizer step (default: {accum_steps})")
@@ -209,6 +216,10 @@ def parse_args(description, argv=None, accum_steps=None, sharded=False, no_accum
     elif args.batch_size % args.accum_steps:
         parser.error(f"--batch-size {args.batch_size} is not divisible by --accum-steps "
                      f"{args.accum_steps}: every micro-batch must have the same size")
+    import common.memory
+    common.memory.SNAPSHOT_FILE = None  # set again below for this run only (runs in one process)
+    if args.memory_snapshot:
+        check_snapshot(parser, args)
     if args.device == "auto":
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     elif args.device == "cuda" and not torch.cuda.is_available() and not args.estimate:
@@ -216,6 +227,8 @@ def parse_args(description, argv=None, accum_steps=None, sharded=False, no_accum
                      f"(torch {torch.__version__}); use --device cpu, or --estimate to "
                      "predict GPU memory without a GPU")
     args.device = torch.device(args.device)
+    if args.check_estimate:
+        check_estimate(parser, args, Path(sys._getframe(1).f_code.co_filename), argv)
     if args.compile and not args.estimate:  # the estimate runs the model uncompiled
         if importlib.util.find_spec("common.compiled_memory") is None:
             parser.error("--compile needs common/compiled_memory.py (how a compiled model's memory "
@@ -225,6 +238,47 @@ def parse_args(description, argv=None, accum_steps=None, sharded=False, no_accum
         if problem:
             parser.error(f"--compile: {problem}; or run without --compile")
     return args
+
+
+def check_estimate(parser, args, script, argv):
+    """--check-estimate: on a GPU, start the estimate of this run (process 0 alone); stops with
+    a message where there is nothing to check."""
+    if args.estimate:
+        parser.error("--check-estimate checks a training run against its estimate, and --estimate "
+                     "only estimates: leave one of them out")
+    if args.device.type != "cuda":
+        parser.error("--check-estimate compares a GPU's allocator with the estimate, and this run "
+                     "is on the CPU, where the estimate is the run's own count (--estimate "
+                     "--device cpu): run it on a GPU, or leave --check-estimate out")
+    if args.compile:
+        parser.error("--check-estimate compares with the estimate of an eager run (the estimate "
+                     "runs the model uncompiled), and --compile measures a compiled one: leave "
+                     "one of them out")
+    if importlib.util.find_spec("estimate") is None:
+        parser.error("--check-estimate needs the estimator, the folder estimate/, which this copy "
+                     "lacks: copy it beside common/, or leave --check-estimate out")
+    args.estimate_check = None
+    if int(os.environ.get("RANK", 0)) == 0:
+        from common.estimate_check import EstimateCheck
+        args.estimate_check = EstimateCheck(script, sys.argv[1:] if argv is None else argv,
+                                            args.device, int(os.environ.get("WORLD_SIZE", 1)))
+
+
+def check_snapshot(parser, args):
+    """--memory-snapshot: a GPU run's, or with --estimate the emulated GPU's; stops otherwise."""
+    folder = Path(args.memory_snapshot).resolve().parent
+    if not (folder.is_dir() and os.access(folder, os.W_OK)):
+        parser.error(f"--memory-snapshot {args.memory_snapshot}: cannot write in {folder} (no "
+                     "such folder, or not writable); name a file in a folder that is")
+    if args.estimate and args.device == "cpu":
+        parser.error("--memory-snapshot with --estimate writes the emulated GPU's snapshot, and "
+                     "--device cpu asks for the CPU's count: leave --device cpu out")
+    if not args.estimate and (args.device == "cpu" or not torch.cuda.is_available()):
+        parser.error("--memory-snapshot records the CUDA allocator, and this run is on the CPU: "
+                     "run it on a GPU, or add --estimate for the predicted snapshot")
+    if not args.estimate:
+        import common.memory
+        common.memory.SNAPSHOT_FILE = args.memory_snapshot  # the meter records the tracked steps
 
 
 def model_preset(parser, args, given):

@@ -8,12 +8,15 @@ taken (a float16 gradient scaler may skip some: those are tracked too, up to a l
 tracker roughly doubles the time of the steps it watches, so those steps are left out of the
 training time. On CUDA the run also reports the caching allocator's own figures over the whole
 run, evaluation included: `torch.cuda.max_memory_allocated` and `max_memory_reserved` (the
-figure the study published); the cache is emptied first, so they count this run alone.
+figure the study published); the cache is emptied first, so they count this run alone. The same
+two figures read when the tracked steps end (`cuda_steps_max_*`) cover the window that
+`--estimate` predicts.
 """
 import gc
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -29,6 +32,7 @@ from common.gpu_support import check_bfloat16
 HOST = torch.device("cpu")
 
 TRACKED_STEPS = 2  # optimizer steps taken under the tracker
+SNAPSHOT_FILE = None  # --memory-snapshot: on CUDA, the allocator's history of the tracked steps
 MAX_TRACKED_STEPS = 10  # steps tracked at most, while a gradient scaler skips optimizer steps
 
 # MemTracker's categories, folded into the five this project reports
@@ -168,6 +172,8 @@ class MemoryMeter:
         self.first_optimizer = optimizer[0] if isinstance(optimizer, list) else optimizer
         self.first_optimizer.register_step_post_hook(self.count_step_taken)  # not for a skipped step
         self.tracked_seconds = 0.0
+        self.steps_allocator = {}  # on CUDA, the allocator's peaks over the tracked steps
+        self.snapshot_written = False
         self.peak_bytes, self.breakdown = 0, dict.fromkeys(BREAKDOWN_KEYS, 0)
         if device.type == "cuda":
             check_bfloat16(device, model, self.from_allocations)  # V100, T4: emulated bfloat16
@@ -209,6 +215,8 @@ class MemoryMeter:
             yield
             return
         self.steps_seen += 1
+        if self.steps_seen == 1 and SNAPSHOT_FILE and self.device.type == "cuda":
+            torch.cuda.memory._record_memory_history(stacks="python", max_entries=1_000_000)
         if self.tracker is None:
             self.tracker = self.tracker_factory(self.model, self.optimizer)
         # registered before the tracker's own global hooks, so it runs first (not on compiled
@@ -229,6 +237,18 @@ class MemoryMeter:
         stats = device_snapshot(self.tracker.get_tracker_snapshot("peak"), self.device)
         if stats.get("Total", 0) > self.peak_bytes:
             self.peak_bytes, self.breakdown = stats["Total"], fold_breakdown(stats)
+        if self.device.type == "cuda" and not self.tracking():  # the window the estimate predicts
+            self.steps_allocator = {
+                "cuda_steps_max_allocated_bytes": torch.cuda.max_memory_allocated(self.device),
+                "cuda_steps_max_reserved_bytes": torch.cuda.max_memory_reserved(self.device)}
+            self.write_snapshot()
+
+    def write_snapshot(self):
+        """--memory-snapshot: the allocator's history since the first tracked step, once."""
+        if SNAPSHOT_FILE and self.device.type == "cuda" and self.steps_seen and not self.snapshot_written:
+            torch.cuda.memory._dump_snapshot(snapshot_file(SNAPSHOT_FILE))
+            torch.cuda.memory._record_memory_history(enabled=None)
+            self.snapshot_written = True
 
     def result(self):
         """Peak bytes and its breakdown (tracked steps), the model's parameters and its state per
@@ -242,12 +262,22 @@ class MemoryMeter:
                   # how the peak was counted: a compiled model's steps escape MemTracker
                   "memory_counted_by": ("allocator events (torch.profiler)"
                                         if self.from_allocations else "MemTracker")}
+        self.write_snapshot()  # a run of one step: its history all the same
         if self.device.type == "cuda":
             result["cuda_max_allocated_bytes"] = torch.cuda.max_memory_allocated(self.device)
             result["cuda_max_reserved_bytes"] = torch.cuda.max_memory_reserved(self.device)
+            result.update(self.steps_allocator)  # absent if training stopped before its 2nd step
         if dist.is_available() and dist.is_initialized():
             result = highest_over_processes(result)
         return result
+
+
+def snapshot_file(path):
+    """`path`, or with several processes each its own: s.pickle -> s.rank1.pickle."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return path
+    path = Path(path)
+    return str(path.with_name(f"{path.stem}.rank{dist.get_rank()}{path.suffix}"))
 
 
 @contextmanager
@@ -289,7 +319,8 @@ def every_process(result):
     return results
 
 
-ALLOCATOR_FIGURES = ("cuda_max_allocated_bytes", "cuda_max_reserved_bytes")
+ALLOCATOR_FIGURES = ("cuda_max_allocated_bytes", "cuda_max_reserved_bytes",
+                     "cuda_steps_max_allocated_bytes", "cuda_steps_max_reserved_bytes")
 
 
 def highest_over_processes(result):

@@ -77,6 +77,9 @@ def report(args, script, creation, meter, progress, test_score):
         "losses": progress.loss_values(),
         "final_lr": meter.first_optimizer.param_groups[0]["lr"],
     }
+    check = getattr(args, "estimate_check", None)  # --check-estimate: its prediction beside
+    if check is not None:
+        record.update(check.result(memory))
     if not is_main_process():
         return record
     breakdown = " | ".join(f"{name.replace('_', ' ')} {mib(value)}"
@@ -102,6 +105,16 @@ def report(args, script, creation, meter, progress, test_score):
         print(f"CUDA allocator, whole run (evaluation included): allocated "
               f"{mib(memory['cuda_max_allocated_bytes'])} | reserved "
               f"{mib(memory['cuda_max_reserved_bytes'])}")
+    if "measured_over_predicted_allocated" in record and "measured_over_predicted_reserved" in record:
+        print(f"predicted ({record['predicted_gpu']}): allocated "
+              f"{mib(record['predicted_allocated_bytes'])} | reserved "
+              f"{mib(record['predicted_reserved_bytes'])}\n  measured over the same two steps: "
+              f"allocated {mib(memory['cuda_steps_max_allocated_bytes'])} | reserved "
+              f"{mib(memory['cuda_steps_max_reserved_bytes'])}; measured / predicted "
+              f"{record['measured_over_predicted_allocated']:.3f} | "
+              f"{record['measured_over_predicted_reserved']:.3f}")
+    elif "estimate_problem" in record:
+        print(f"--check-estimate: the estimate failed ({record['estimate_problem']})")
     print(f"peak memory of creation  {mib(created['init_peak_memory_bytes'])}"
           + (f"  (host memory {mib(created['init_host_peak_memory_bytes'])})"
              if args.device.type == "cuda" else ""))

@@ -34,7 +34,8 @@ here, explicitly, as PyTorch 2.13 (the version pinned here) makes it on an A100:
   (`CachingAllocatorModel` in caching_allocator.py).
 - cuBLAS workspaces: each (thread, stream) pair that runs a matrix multiplication gets one from
   the caching allocator and keeps it: forward on the main thread, backward on autograd's
-  device thread (`CUBLAS_WORKSPACES`).
+  device thread (`CUBLAS_WORKSPACES`), of 8.125 MiB each, or 32 MiB from Hopper on
+  (`Gpu.cublas_workspace_bytes`).
 - Offload: with FSDP2's CPUOffloadPolicy the sharded parameters, their gradients and the
   optimizer state live in host memory; only what is gathered or computed is on the GPU
   (`HOST_CATEGORIES_WHEN_OFFLOADED`).
@@ -64,10 +65,26 @@ class Gpu:
     capability: tuple  # CUDA compute capability: what kernels and dtypes run in hardware
     multiprocessors: int  # SMs: bitsandbytes' 4-bit matmul picks its kernel by them (fake_4bit.py)
 
+    @property
+    def cublas_workspace_bytes(self):
+        """One cuBLAS workspace: 32 MiB on Hopper and later (capability 9 to 12), else
+        CUBLAS_WORKSPACE_CONFIG's ":4096:2:16:8" (CublasHandlePool.cpp's default; an H200 showed
+        the 47.75 MiB that two workspaces of the difference make)."""
+        return 4096 * 8 * 1024 if 9 <= self.capability[0] <= 12 else CUBLAS_WORKSPACE_BYTES
+
 
 GPUS = {"a100": Gpu("A100", (8, 0), 108), "h100": Gpu("H100", (9, 0), 132),  # H100: SXM
         "v100": Gpu("V100", (7, 0), 80), "t4": Gpu("T4", (7, 5), 40)}
 DEFAULT_GPU = "a100"  # the study's GPU
+
+
+def nearest_gpu(capability):
+    """The key of GPUS whose compute capability is `capability`'s, else the nearest below it
+    (the newest whose kernels it has), else the oldest: an H200 (9.0) is estimated as an H100."""
+    below = [key for key, gpu in GPUS.items() if gpu.capability <= tuple(capability)]
+    if not below:
+        return min(GPUS, key=lambda key: GPUS[key].capability)
+    return max(below, key=lambda key: GPUS[key].capability)
 
 
 def gpu_problem(name, emulated=True):
@@ -81,7 +98,7 @@ def gpu_problem(name, emulated=True):
     return None
 
 
-CUBLAS_WORKSPACE_BYTES = 4096 * 1024 * 2 + 16 * 1024 * 8  # CUBLAS_WORKSPACE_CONFIG ":4096:2:16:8"
+CUBLAS_WORKSPACE_BYTES = 4096 * 1024 * 2 + 16 * 1024 * 8  # ":4096:2:16:8", before Hopper
 CUBLAS_WORKSPACES = 2                 # forward (main thread) and backward (autograd's thread)
 
 GPU_ATTENTION = "gpu_kernels"  # the transformers attention implementations registered below, one per GPU

@@ -108,7 +108,7 @@ def read_command_line(kind, target, argv):
     program's complaint (its exit status and its last line on stderr), or None."""
     if kind == "script":
         module, stop, after = script_module(target), "parse_args", True
-        if "--device" not in argv:
+        if "--device" not in argv and "--estimate" not in argv:
             argv += ["--device", "cpu"]  # the quoted command may be meant for a GPU
         argv = [word if word != "cuda" else "cpu" for word in argv]
     else:

@@ -45,9 +45,21 @@ RECORD_FIELDS = {
     "cuda_max_allocated_bytes": ("on CUDA", "torch.cuda.max_memory_allocated over the whole run "
                                  "(the highest over processes)"),
     "cuda_max_reserved_bytes": ("on CUDA", "torch.cuda.max_memory_reserved, likewise"),
+    "cuda_steps_max_allocated_bytes": ("on CUDA", "torch.cuda.max_memory_allocated over the "
+                                       "tracked steps alone: the window --estimate predicts"),
+    "cuda_steps_max_reserved_bytes": ("on CUDA", "torch.cuda.max_memory_reserved, likewise"),
+    "predicted_gpu": ("--check-estimate", "the GPU the estimate emulated, for the one the run had"),
+    "predicted_allocated_bytes": ("--check-estimate", "the estimate's allocated peak of the same run"),
+    "predicted_reserved_bytes": ("--check-estimate", "the estimate's reserved peak"),
+    "measured_over_predicted_allocated": ("--check-estimate", "cuda_steps_max_allocated_bytes / "
+                                          "predicted_allocated_bytes"),
+    "measured_over_predicted_reserved": ("--check-estimate", "likewise, reserved"),
+    "estimate_problem": ("--check-estimate, when the estimate failed", "what went wrong"),
     "rank_peak_memory_bytes": ("several processes", "each process's tracked peak"),
     "rank_cuda_max_allocated_bytes": ("several processes on CUDA", "each process's allocated peak"),
     "rank_cuda_max_reserved_bytes": ("several processes on CUDA", "each process's reserved peak"),
+    "rank_cuda_steps_max_allocated_bytes": ("several processes on CUDA", "likewise, tracked steps"),
+    "rank_cuda_steps_max_reserved_bytes": ("several processes on CUDA", "likewise, tracked steps"),
     "init_peak_memory_bytes": ("always", "the peak while the model was created, on the device"),
     "init_host_peak_memory_bytes": ("always", "the same in host memory (on a CPU, the device figure again)"),
     "rank_init_peak_memory_bytes": ("several processes", "each process's creation peak"),
@@ -122,6 +134,8 @@ class StepRow:
     test_perplexity: float | None = None
     model_state_bytes_per_parameter: float | None = None  # see common.memory
     switches: list | None = None  # 10_combined.py's switches the tour passed (tour.json)
+    measured_allocated_bytes: float | None = None  # on a GPU: cuda_steps_max_allocated_bytes
+    predicted_allocated_bytes: float | None = None  # --check-estimate's prediction of it
 
     def processes(self):
         """"2 processes, cpu" for a step run in several processes (and on which device), else ""."""
@@ -162,6 +176,8 @@ def step_row(script, record, outcome=None):
         test_loss=finite(record.get("test_loss")),
         test_perplexity=finite(record.get("test_perplexity")),
         model_state_bytes_per_parameter=finite(record.get("model_state_bytes_per_parameter")),
+        measured_allocated_bytes=finite(record.get("cuda_steps_max_allocated_bytes")),
+        predicted_allocated_bytes=finite(record.get("predicted_allocated_bytes")),
         switches=([str(word) for word in outcome["switches"]]
                   if isinstance(outcome.get("switches"), list) else None),
     )

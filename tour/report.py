@@ -111,7 +111,9 @@ def tour_table(rows):
     state = len(MODEL_STATE_KEYS)  # the breakdown's first columns; bytes per parameter after them
     categories = [key.replace("_", " ") for key in BREAKDOWN_KEYS]
     losses = any(row.test_loss is not None for row in rows)  # --task causal-lm
+    checked = any(row.predicted_allocated_bytes is not None for row in rows)  # a GPU's tour
     header = ["step", "peak MiB", "vs 01", *categories[:state], PER_PARAMETER, *categories[state:],
+              *(["GPU allocated MiB", "predicted MiB", "measured / predicted"] if checked else []),
               "training time", *(["test loss", "perplexity"] if losses
                                  else ["test accuracy", "95% interval"]), "status"]
     lines = []
@@ -126,10 +128,20 @@ def tour_table(rows):
                       shown(ratio, ".2f", "x"),
                       *mebibytes[:state], shown(row.model_state_bytes_per_parameter, ".2f"),
                       *mebibytes[state:],
+                      *(gpu_check_cells(row) if checked else []),
                       shown(row.train_seconds, ".1f", " s"),
                       *score,
                       status(row)])
-    return markdown_table(header, lines, "lrrrrrrrrrrrl")
+    return markdown_table(header, lines, "l" + "r" * (len(header) - 2) + "l")
+
+
+def gpu_check_cells(row):
+    """On a GPU with --check-estimate: the allocator's peak over the tracked steps, the
+    estimate's prediction of it, and their ratio."""
+    measured, predicted = row.measured_allocated_bytes, row.predicted_allocated_bytes
+    ratio = measured / predicted if measured is not None and predicted else None
+    return [shown(in_units(measured, MIB), ",.2f"), shown(in_units(predicted, MIB), ",.2f"),
+            shown(ratio, ".3f")]
 
 
 def error_details(title, error_lines):

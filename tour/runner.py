@@ -127,6 +127,8 @@ def script_command(script, results_dir, passed_flags, launch):
         launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone",  # a free port
                     f"--nproc_per_node={launch.processes}"]
         passed_flags = [*passed_flags, "--device", launch.device]
+        if launch.device == "cpu":  # CPU processes (tiny presets on one GPU): nothing to check
+            passed_flags = [flag for flag in passed_flags if flag != "--check-estimate"]
     else:
         launcher = [sys.executable]
     command = [*launcher, str(script), "--results-dir", str(results_dir), *passed_flags]
@@ -314,6 +316,8 @@ def parse_args(argv=None, scripts_dir=None):
                          *(["--epochs", str(args.epochs)] if args.epochs else []),
                          *(["--device", args.device] if args.device != "auto" else [])]
     import torch  # only here: the rest of the tour runs without it
+    if args.device != "cpu" and torch.cuda.is_available():  # each run checks its estimate
+        args.passed_flags.append("--check-estimate")
     sharded = [script for script in args.scripts if step_of(script).sharded]
     split = (PRESETS[args.preset].batch_size, step_of(sharded[0]).accum_steps if sharded else 1)
     try:

@@ -16,7 +16,7 @@ from conftest import QUICK, ROOT, TEXT, load_script, model_state_bytes, run_scri
 from estimate.allocation_trace import ALLOC, replay
 from estimate.caching_allocator import MEDIUM_SEGMENT, SMALL_SEGMENT, CachingAllocatorModel
 from estimate.fake_run import EstimateError, run_on_fake_tensors
-from estimate.gpu_choices import CUBLAS_WORKSPACE_BYTES, CUBLAS_WORKSPACES
+from estimate.gpu_choices import CUBLAS_WORKSPACE_BYTES, CUBLAS_WORKSPACES, GPUS
 from estimate.predict import Row, estimate, predict
 from estimate.table import main as estimate_table
 from estimate.table import run_rows
@@ -398,12 +398,16 @@ def test_a_gpu_without_flash_attention_keeps_bfloat16_attention_on_the_math_path
     flags = ["--preset", "tiny", "--batch-size", str(batch)]
     on = {gpu: predict(script_path("03"), flags, gpu=gpu) for gpu in ("a100", "h100", "v100", "t4")}
     assert [on[gpu]["gpu"] for gpu in on] == ["A100", "H100", "V100", "T4"]
-    assert on["h100"]["allocated_bytes"] == on["a100"]["allocated_bytes"]
+    # Hopper's cuBLAS workspaces are 32 MiB each, not 8.125 (gpu_choices.Gpu)
+    hopper = CUBLAS_WORKSPACES * (GPUS["h100"].cublas_workspace_bytes - CUBLAS_WORKSPACE_BYTES)
+    assert hopper == 2 * (32 - 8.125) * 2**20
+    assert on["h100"]["allocated_bytes"] == on["a100"]["allocated_bytes"] + hopper
     probabilities = layers * batch * heads * tokens * tokens * 4
     for gpu in ("v100", "t4"):
         assert on[gpu]["breakdown_bytes"]["activations"] >= (
             on["a100"]["breakdown_bytes"]["activations"] + probabilities)
-    float32 = [predict(script_path("01"), flags, gpu=gpu)["allocated_bytes"] for gpu in on]
+    float32 = [predict(script_path("01"), flags, gpu=gpu)["allocated_bytes"]
+               - (hopper if gpu == "h100" else 0) for gpu in on]
     assert len(set(float32)) == 1
     float16 = {gpu: predict(script_path("02"), flags, gpu=gpu)["allocated_bytes"]
                for gpu in ("a100", "v100")}
@@ -420,3 +424,11 @@ def test_the_table_takes_a_gpu_and_compares_with_the_study_only_on_its_a100(tmp_
     with pytest.raises(SystemExit):
         estimate_table(["--gpu", "t4", "--device", "cpu", "--results-dir", str(tmp_path)])
     assert "leave --device cpu out" in capsys.readouterr().err
+
+
+def test_a_gpu_is_estimated_as_the_emulated_gpu_nearest_below_it():
+    from estimate.gpu_choices import nearest_gpu
+    assert [nearest_gpu(capability) for capability in [(8, 0), (9, 0), (7, 5), (7, 0)]] == [
+        "a100", "h100", "t4", "v100"]  # the GPUs emulated, each itself
+    assert nearest_gpu((8, 9)) == "a100" and nearest_gpu((12, 0)) == "h100"  # an L4, a B200's kin
+    assert nearest_gpu((6, 1)) == "v100"  # below them all: the oldest

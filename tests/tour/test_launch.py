@@ -65,3 +65,17 @@ def test_the_launch_goes_into_the_sharded_steps_commands(tmp_path):
     assert command.argv[-2:] == ["--device", "cuda"]
     single = runner.script_command(tmp_path / "03_bf16.py", tmp_path, ["--max-steps", "2"], launch)
     assert "--device" not in single.argv and "torch.distributed.run" not in single.argv
+
+
+def test_on_a_gpu_each_run_checks_its_estimate_but_cpu_processes(tmp_path, monkeypatch):
+    """One GPU, tiny: the single-device scripts run on it with --check-estimate; 07-09 run as two
+    CPU processes, where there is no GPU figure to check, without it."""
+    import torch
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    args = runner.parse_args(["--steps", "03", "07"])
+    assert "--check-estimate" in args.passed_flags and args.launch.device == "cpu"
+    single = runner.script_command(tmp_path / "03_bf16.py", tmp_path, args.passed_flags, args.launch)
+    sharded = runner.script_command(tmp_path / "07_fsdp.py", tmp_path, args.passed_flags, args.launch)
+    assert "--check-estimate" in single.argv and "--check-estimate" not in sharded.argv
+    assert "--check-estimate" not in runner.parse_args(["--device", "cpu"]).passed_flags

@@ -106,6 +106,18 @@ def test_report_table_rows_ratios_and_failures(recorded):
     assert '  File "03_bf16.py", line 80, in <module>' in table  # the stderr lines, below the table
 
 
+def test_a_gpu_tours_table_shows_each_runs_check_of_its_estimate(recorded):
+    """Records made on a GPU with --check-estimate: three more columns, the allocator's peak of
+    the tracked steps, the prediction and their ratio (n/a for a run without them)."""
+    path = recorded / "01_baseline.json"
+    record = json.loads(path.read_text())
+    record.update(cuda_steps_max_allocated_bytes=3 * 2**20, predicted_allocated_bytes=2 * 2**20)
+    path.write_text(json.dumps(record))
+    rows = table_rows((write_report(recorded), (recorded / TOUR_TABLE).read_text())[1])
+    assert rows["01_baseline"][8:11] == ["3.00", "2.00", "1.500"]
+    assert rows["02_mixed_precision"][8:11] == ["n/a"] * 3
+
+
 def test_report_tour_table_shows_the_model_state_per_parameter_beside_the_activations(recorded):
     write_report(recorded)
     text = (recorded / TOUR_TABLE).read_text()
