@@ -26,6 +26,7 @@ class AllocationTrace:
 
     def __init__(self):
         self.events = []
+        self.phases = []  # each event's part of the step: PHASES
         self._numbers = {}  # id(MemTracker's record of a storage) -> storage number, while alive
         self._next_number = itertools.count()
         self._on_host = False
@@ -46,7 +47,12 @@ class AllocationTrace:
         finally:
             self._on_host = False
 
-    def observe(self, update, record):
+    def observe(self, update, record, phase=None):
+        count = len(self.events)
+        self._observe(update, record)
+        self.phases += [phase] * (len(self.events) - count)
+
+    def _observe(self, update, record):
         key = id(record)
         known = key in self._numbers
         if update is _UpdateType.ADD or (update is _UpdateType.SIZE and not known):
@@ -72,13 +78,29 @@ class AllocationTrace:
 
         def update_snap(tracker, u_type, winfo, old_mem_consumed=None, old_reftype=None):
             original(tracker, u_type, winfo, old_mem_consumed, old_reftype)
-            trace.observe(u_type, winfo)
+            trace.observe(u_type, winfo, phase_of(tracker))
 
         MemTracker._update_snap = update_snap
         try:
             yield self
         finally:
             MemTracker._update_snap = original
+
+
+PHASES = ("forward", "backward", "optimizer step", "between")
+
+
+def phase_of(tracker):
+    """The part of the step a tracker is in: the optimizer's step, backward, a module's forward,
+    or between them (a batch's copy, the loss's division)."""
+    if getattr(tracker, "_in_opt", False):
+        return "optimizer step"
+    modules = getattr(tracker, "_mod_tracker", None)
+    if modules is None:
+        return "between"
+    if modules.is_bw:
+        return "backward"
+    return "forward" if modules.parents - {"Global"} else "between"
 
 
 @dataclass
@@ -95,7 +117,7 @@ class ExactCounter:
     def __init__(self):
         self.allocated = self.peak_allocated = self.peak_reserved = 0
 
-    def malloc(self, nbytes):
+    def malloc(self, nbytes, what=None):
         self.allocated += nbytes
         self.peak_allocated = self.peak_reserved = max(self.peak_allocated, self.allocated)
         return nbytes
@@ -108,15 +130,19 @@ def block_size(block):
     return block if isinstance(block, int) else block.size
 
 
-def replay(events, device_type, emulate_cuda, host_categories=frozenset(), workspaces=True):
+def replay(events, device_type, emulate_cuda, host_categories=frozenset(), workspaces=True,
+           observer=None, workspace_bytes=CUBLAS_WORKSPACE_BYTES):
     """The peak that `events` reach on `device_type`, with its breakdown.
 
     With `emulate_cuda`, requests go through the caching allocator model (rounding, segments,
     cuBLAS workspaces at the first computed tensor) and storages whose category is in
     `host_categories` count as host memory; without, bytes are counted as MemTracker counts them.
-    `workspaces=False` leaves the cuBLAS workspaces out (model creation multiplies no matrices).
+    `workspaces=False` leaves the cuBLAS workspaces out (model creation multiplies no matrices);
+    `workspace_bytes` is one workspace's size on the GPU emulated. `observer` (with
+    emulate_cuda) sees the allocator's every step and, after each event, its index and the bytes
+    by category (estimate/snapshot.py draws the step from them).
     """
-    allocator = CachingAllocatorModel() if emulate_cuda else ExactCounter()
+    allocator = CachingAllocatorModel(observer) if emulate_cuda else ExactCounter()
     storages = {}  # storage -> [bytes, category, block on the device or None]
     by_category = {}
     peak, host_now = Peak(), 0
@@ -131,7 +157,7 @@ def replay(events, device_type, emulate_cuda, host_categories=frozenset(), works
             host_now += nbytes
             peak.host_bytes = max(peak.host_bytes, host_now)
             return
-        block = state[2] = allocator.malloc(nbytes)
+        block = state[2] = allocator.malloc(nbytes, category)
         by_category[category] = by_category.get(category, 0) + block_size(block)
         if allocator.allocated > peak.allocated_bytes:
             peak.allocated_bytes = allocator.allocated
@@ -147,7 +173,9 @@ def replay(events, device_type, emulate_cuda, host_categories=frozenset(), works
         elif category in host_categories:
             host_now -= nbytes
 
-    for event in events:
+    for index, event in enumerate(events):
+        if observer is not None and index:
+            observer.after(index - 1, by_category)
         kind, storage = event[0], event[1]
         if kind == ALLOC:
             nbytes, event_device, category = event[2:]
@@ -155,7 +183,7 @@ def replay(events, device_type, emulate_cuda, host_categories=frozenset(), works
                 continue  # e.g. the host-side batch, before it is copied to the device
             if workspaces_due and category not in ("Parameter", "Buffer", "Sharded Param"):
                 for _ in range(CUBLAS_WORKSPACES):
-                    place([CUBLAS_WORKSPACE_BYTES, WORKSPACE_CATEGORY, None])
+                    place([workspace_bytes, WORKSPACE_CATEGORY, None])
                 workspaces_due = False
             state = storages[storage] = [nbytes, category, None]
             place(state)
@@ -179,8 +207,12 @@ def replay(events, device_type, emulate_cuda, host_categories=frozenset(), works
                 by_category[state[1]] -= block_size(state[2])
                 by_category[category] = by_category.get(category, 0) + block_size(state[2])
                 state[1] = category
+                if observer is not None:
+                    observer.relabel(state[2].address, category)
             else:
                 state[1] = category
+    if observer is not None and events:
+        observer.after(len(events) - 1, by_category)
     peak.reserved_bytes = allocator.peak_reserved
     peak.breakdown_bytes = fold_breakdown(peak.breakdown_bytes)
     return peak

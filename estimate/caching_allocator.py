@@ -48,7 +48,8 @@ class CachingAllocatorModel:
     as `memory_allocated` does, so an unsplit block counts with its slack.
     """
 
-    def __init__(self):
+    def __init__(self, observer=None):
+        self.observer = observer  # told of each segment, allocation and free (estimate/snapshot.py)
         self.free_blocks = {True: [], False: []}  # small pool?: sorted [(size, address, block)]
         self.addresses = itertools.count(step=1 << 40)  # segments never touch each other
         self.allocated = self.reserved = 0
@@ -69,8 +70,9 @@ class CachingAllocatorModel:
         pool = self.free_blocks[block.small]
         del pool[bisect.bisect_left(pool, (block.size, block.address))]
 
-    def malloc(self, nbytes):
-        """Allocate `nbytes`; returns the block (keep it to free it)."""
+    def malloc(self, nbytes, what=None):
+        """Allocate `nbytes` (holding `what`, for the observer); returns the block (keep it to
+        free it)."""
         size = rounded(nbytes)
         small = size <= SMALL_REQUEST
         block = self._take_free(small, size)
@@ -79,6 +81,8 @@ class CachingAllocatorModel:
             block = Block(next(self.addresses), segment, small)
             self.reserved += segment
             self.peak_reserved = max(self.peak_reserved, self.reserved)
+            if self.observer is not None:
+                self.observer.segment(block.address, segment, small)
         remaining = block.size - size
         if remaining >= ALLOCATION_GRANULE if small else remaining > SMALL_REQUEST:
             rest = Block(block.address + size, remaining, small, previous=block, following=block.next)
@@ -89,9 +93,13 @@ class CachingAllocatorModel:
         block.free = False
         self.allocated += block.size
         self.peak_allocated = max(self.peak_allocated, self.allocated)
+        if self.observer is not None:
+            self.observer.alloc(block.address, block.size, nbytes, what)
         return block
 
     def free(self, block):
+        if self.observer is not None:
+            self.observer.free(block.address, block.size)
         self.allocated -= block.size
         for neighbour in (block.previous, block.next):
             if neighbour is not None and neighbour.free:

@@ -74,6 +74,10 @@ class FakeRun:
     def training_events(self):
         return self.trace.events[self.creation_events.stop:]
 
+    def training_phases(self):
+        """Each training event's part of the step (allocation_trace.PHASES)."""
+        return self.trace.phases[self.creation_events.stop:]
+
 
 class FakeLoader:
     """Batches of the preset's shapes, made when asked for, as many as a real epoch has."""

@@ -18,6 +18,8 @@ from estimate.fake_run import (
 )
 from estimate.gpu_choices import DEFAULT_GPU, GPUS, HOST_CATEGORIES_WHEN_OFFLOADED, gpu_problem
 from estimate.records import read_estimate, save_records, size_text
+from estimate.snapshot import Recorder
+from estimate.snapshot import write as write_snapshot
 
 
 @dataclass
@@ -28,25 +30,36 @@ class Row:
     world_size: int = 1
     gpu: str = DEFAULT_GPU  # the GPU emulated (without --device cpu): a key of GPUS
     any_batch_size: bool = False  # the data set holds two batches of any size (fit.py's search)
+    snapshot: str | None = None  # where the predicted memory snapshot goes (--memory-snapshot)
 
     @property
     def label(self):
         return f"{self.script.stem} {' '.join(self.argv)}".strip()
 
 
-def predict(script_path, argv, world_size=1, gpu=DEFAULT_GPU, any_batch_size=False):
+def predict(script_path, argv, world_size=1, gpu=DEFAULT_GPU, any_batch_size=False,
+            snapshot=None):
     """The estimate record for running `script_path` with its flags `argv` (on the GPU `gpu`, a
     key of GPUS, unless they say --device cpu); raises EstimateError. `any_batch_size`: the
-    fake data set is as large as two batches of the size asked need."""
+    fake data set is as large as two batches of the size asked need. `snapshot`: a file for
+    the predicted memory snapshot of the steps (and its picture beside it: snapshot.py)."""
     run = run_on_fake_tensors(script_path, argv, world_size, gpu, any_batch_size)
     if run.emulate_cuda:
         host = HOST_CATEGORIES_WHEN_OFFLOADED if run.offloaded else frozenset()
-        peak = replay(run.training_events(), "cpu", emulate_cuda=True, host_categories=host)
+        recorder = Recorder() if snapshot else None
+        peak = replay(run.training_events(), "cpu", emulate_cuda=True, host_categories=host,
+                      observer=recorder, workspace_bytes=GPUS[gpu].cublas_workspace_bytes)
         allocated, reserved = peak.allocated_bytes, peak.reserved_bytes
         breakdown, host_bytes = peak.breakdown_bytes, peak.host_bytes
         created = replay(run.trace.events[run.creation_events], "cpu", emulate_cuda=True,
                          workspaces=False)
         init_allocated, init_reserved = created.allocated_bytes, created.reserved_bytes
+        if snapshot:
+            world = run.record["world_size"]
+            title = (f"{run.script}, {run.record['preset']} preset, batch {run.record['batch_size']}:"
+                     f" predicted on one {GPUS[gpu].name}" + (f" of {world}" if world > 1 else "")
+                     + f" (peak {size_text(allocated)} allocated, {size_text(reserved)} reserved)")
+            write_snapshot(snapshot, recorder, run.training_phases(), title)
     else:  # the meter's own figures: what the real CPU run reports
         allocated = reserved = run.meter_result["peak_memory_bytes"]
         breakdown, host_bytes = run.meter_result["breakdown_bytes"], 0
@@ -92,7 +105,8 @@ def attempt(row):
     failed, and the time it took; a failure never escapes, so other rows still run."""
     start = time.perf_counter()
     try:
-        record = predict(row.script, row.argv, row.world_size, row.gpu, row.any_batch_size)
+        record = predict(row.script, row.argv, row.world_size, row.gpu, row.any_batch_size,
+                         row.snapshot)
     except Exception as error:  # noqa: BLE001 - reported as the row's outcome
         if os.environ.get("ESTIMATE_TRACEBACK"):
             traceback.print_exc()
@@ -138,6 +152,7 @@ def estimate(script, argv):
     own.add_argument("--results-dir", default="results")
     own.add_argument("--gpu")
     own.add_argument("--world-size", type=int)
+    own.add_argument("--memory-snapshot")
     asked, script_argv = own.parse_known_args(argv)
     script_argv += ["--results-dir", asked.results_dir]  # checked as the script checks it
     problem = gpu_problem(asked.gpu, wants_cuda_emulation(script_argv))
@@ -148,10 +163,13 @@ def estimate(script, argv):
     except Exception as error:  # noqa: BLE001
         raise SystemExit(f"error: {failure_message(error, script)}")
     record, problem, seconds = attempt(Row(Path(script), script_argv, world_size,
-                                           asked.gpu or DEFAULT_GPU))
+                                           asked.gpu or DEFAULT_GPU, snapshot=asked.memory_snapshot))
     if problem:
         raise SystemExit(f"error: cannot estimate {Path(script).name}: {problem}")
     print(summary(record))
+    if asked.memory_snapshot:
+        print(f"memory snapshot        {asked.memory_snapshot} (open it at "
+              f"https://pytorch.org/memory_viz) and its picture {asked.memory_snapshot}.png")
     print(f"record                 {save_records(asked.results_dir, [record])}  ({seconds:.1f} s)")
     return record
 
