@@ -77,7 +77,7 @@ def largest_shares(loader):
     """For each batch of `loader`, the texts of the largest process's share of it: the
     global batch's size divided by the processes, rounded up (None for a loader of another
     kind: its own share's size)."""
-    sampler = loader.sampler
+    sampler = getattr(loader, "sampler", None)  # none for a plain list of batches
     if not isinstance(sampler, RankSlice):
         return itertools.repeat(None)
     return (math.ceil(len(batch) / sampler.world_size) for batch in sampler.batch_sampler)

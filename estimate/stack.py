@@ -272,8 +272,9 @@ def command(model_argv, batch_size, switches, fit, world_size):
     launch = (f"torchrun --nproc_per_node={world_size} 10_combined.py" if world_size > 1
               else "python 10_combined.py")
     words = [launch, *model_argv, "--batch-size", str(batch_size)]
-    if fit.accumulates:
-        words += ["--accum-steps", str(accumulation_for(fit) or batch_size // world_size)]
+    steps = (accumulation_for(fit) or batch_size // world_size) if fit.accumulates else 1
+    if steps > 1:  # 1: the script's default, left out
+        words += ["--accum-steps", str(steps)]
     return " ".join([*words, *argv_of(switches)])
 
 

@@ -4,6 +4,7 @@ import gc
 import multiprocessing
 import signal
 from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from contextlib import contextmanager
 
 
@@ -20,6 +21,11 @@ def worker_pool(jobs, interrupted):
     except KeyboardInterrupt:
         stop(pool)  # mid-estimate: a worker ignoring Ctrl-C would finish its row first
         raise SystemExit(f"\ninterrupted (Ctrl-C) {interrupted()}") from None
+    except BrokenProcessPool:
+        stop(pool)
+        raise SystemExit(f"error: a worker process died (killed: by the system when memory ran "
+                         f"out, most often), {interrupted()}. Run again with --jobs 1: one "
+                         "estimate at a time holds the least memory") from None
     pool.shutdown()
 
 

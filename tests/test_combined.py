@@ -439,9 +439,10 @@ def assert_trains(names, result):
     if "sgd" in names:
         unchanged = [index for index in unchanged if not took.steps_rounded_away()[index]]
     adapters = {"lora", "qlora"} & set(names)
-    rounds_away = trained[0].dtype == torch.bfloat16 and "adafactor" in names and adapters
-    assert unchanged == [] or rounds_away and len(unchanged) < len(trained) / 4, (
-        f"{names}: weights left as they were: {unchanged}")
+    if trained[0].dtype == torch.bfloat16 and "adafactor" in names and adapters:
+        named = [name for name, param in took.meter.model.named_parameters() if param.requires_grad]
+        unchanged = [index for index in unchanged if not named[index].endswith("down.weight")]
+    assert unchanged == [], f"{names}: weights left as they were: {unchanged}"
     for name in names:
         assert took_effect(name, took.module, took, record), f"{names}: {name} had no effect"
 

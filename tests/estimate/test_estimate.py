@@ -14,7 +14,7 @@ from common.model import model_class, model_config
 from common.presets import PRESETS
 from conftest import QUICK, ROOT, TEXT, load_script, model_state_bytes, run_script, script_path
 from estimate.allocation_trace import ALLOC, replay
-from estimate.caching_allocator import MEDIUM_SEGMENT, SMALL_SEGMENT, CachingAllocatorModel
+from estimate.caching_allocator import MEDIUM_SEGMENT, SMALL_REQUEST, SMALL_SEGMENT, CachingAllocatorModel
 from estimate.fake_run import EstimateError, run_on_fake_tensors
 from estimate.gpu_choices import CUBLAS_WORKSPACE_BYTES, CUBLAS_WORKSPACES, GPUS
 from estimate.predict import Row, estimate, predict
@@ -398,17 +398,20 @@ def test_a_gpu_without_flash_attention_keeps_bfloat16_attention_on_the_math_path
     flags = ["--preset", "tiny", "--batch-size", str(batch)]
     on = {gpu: predict(script_path("03"), flags, gpu=gpu) for gpu in ("a100", "h100", "v100", "t4")}
     assert [on[gpu]["gpu"] for gpu in on] == ["A100", "H100", "V100", "T4"]
-    # Hopper's cuBLAS workspaces are 32 MiB each, not 8.125 (gpu_choices.Gpu)
+    # Hopper's cuBLAS workspaces are 32 MiB each, not 8.125 (gpu_choices.Gpu). Each 8.125 MiB
+    # one shares a 20 MiB segment whose rest later blocks take, and a block taken whole (its
+    # rest not split, at most 1 MiB) counts its slack: up to 1 MiB a workspace either way
     hopper = CUBLAS_WORKSPACES * (GPUS["h100"].cublas_workspace_bytes - CUBLAS_WORKSPACE_BYTES)
     assert hopper == 2 * (32 - 8.125) * 2**20
-    assert on["h100"]["allocated_bytes"] == on["a100"]["allocated_bytes"] + hopper
+    slack = CUBLAS_WORKSPACES * SMALL_REQUEST
+    assert abs(on["h100"]["allocated_bytes"] - on["a100"]["allocated_bytes"] - hopper) <= slack
     probabilities = layers * batch * heads * tokens * tokens * 4
     for gpu in ("v100", "t4"):
         assert on[gpu]["breakdown_bytes"]["activations"] >= (
             on["a100"]["breakdown_bytes"]["activations"] + probabilities)
-    float32 = [predict(script_path("01"), flags, gpu=gpu)["allocated_bytes"]
-               - (hopper if gpu == "h100" else 0) for gpu in on]
-    assert len(set(float32)) == 1
+    float32 = {gpu: predict(script_path("01"), flags, gpu=gpu)["allocated_bytes"] for gpu in on}
+    assert float32["a100"] == float32["v100"] == float32["t4"]
+    assert abs(float32["h100"] - float32["a100"] - hopper) <= slack
     float16 = {gpu: predict(script_path("02"), flags, gpu=gpu)["allocated_bytes"]
                for gpu in ("a100", "v100")}
     padded_rows = layers * batch * heads * (32 - tokens) * 4

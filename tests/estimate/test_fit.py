@@ -116,3 +116,16 @@ def test_a_search_for_an_asked_batch_stops_at_it(cap, fits_up_to, largest, estim
         assert set(found.tried) == estimates
     else:
         assert largest + 1 in found.tried  # the next size was estimated, and does not fit
+
+
+def killed(item):
+    """A worker's estimate that the system kills (as the out-of-memory killer would)."""
+    import os
+    import signal
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def test_a_worker_that_dies_stops_the_work_with_what_to_do():
+    from estimate.workers import in_order
+    with pytest.raises(SystemExit, match="a worker process died .* after 0 of 2 estimates.*--jobs 1"):
+        list(in_order(killed, [1, 2], 2, lambda: "after 0 of 2 estimates"))
