@@ -266,6 +266,9 @@ def check_estimate(parser, args, script, argv):
 
 def check_snapshot(parser, args):
     """--memory-snapshot: a GPU run's, or with --estimate the emulated GPU's; stops otherwise."""
+    if Path(args.memory_snapshot).is_dir():
+        parser.error(f"--memory-snapshot {args.memory_snapshot} is a folder: name the file to "
+                     "write, such as snapshot.pickle")
     folder = Path(args.memory_snapshot).resolve().parent
     if not (folder.is_dir() and os.access(folder, os.W_OK)):
         parser.error(f"--memory-snapshot {args.memory_snapshot}: cannot write in {folder} (no "

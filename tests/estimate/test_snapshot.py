@@ -75,3 +75,9 @@ def test_a_snapshot_in_a_missing_folder_stops_before_anything_runs(tmp_path, cap
         run_script("03", ["--estimate", "--memory-snapshot", str(tmp_path / "no" / "s.pickle")],
                    tmp_path)
     assert "no such folder, or not writable" in capsys.readouterr().err
+
+
+def test_a_snapshot_named_as_a_folder_stops_before_anything_runs(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        run_script("03", ["--estimate", "--memory-snapshot", str(tmp_path)], tmp_path)
+    assert "is a folder: name the file to write" in capsys.readouterr().err
