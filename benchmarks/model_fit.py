@@ -1,22 +1,19 @@
-"""Benchmark: one estimate of a model from its config, and the table with the --gpu-memory search.
+"""Benchmark: "will it fit?" in seconds. One estimate, the table with the --gpu-memory search, and
+the stack search, each timed as a user runs it, beside the same work with --exact (every block
+and every micro-batch run, as before the estimate by blocks), which must give the same bytes.
 
-  python benchmarks/model_fit.py                       # Llama-3.2-1B as a language model
-  python benchmarks/model_fit.py --model docs/models/bert-large-uncased --task classification \\
-      --seq-len 512 --batch-size 16 --gpu-memory 24GB  # BERT-large, as docs/estimator.md
+  python benchmarks/model_fit.py                     # Llama-3.2-1B and Llama-3.1-8B, 2,048 tokens
+  python benchmarks/model_fit.py --only estimate     # the single estimates only (a minute)
+  python benchmarks/model_fit.py --no-exact          # without the --exact figures (much faster)
 
-Times, each as the command a user types (a fresh process, imports included):
-
-1. one estimate: `python 04_grad_accum.py --model M --task T --seq-len S --batch-size 1
-   --accum-steps 1 --estimate` (target: at most 10 s on 2 cores);
-2. the table and the search over every step and branch: `python -m estimate --model M --task T
-   --seq-len S --batch-size B --gpu-memory G` (target: at most 2 minutes on 2 cores).
-
-The default model is Llama-3.2-1B (1.24B parameters, 128,256-token vocabulary; its published
-config is docs/models/llama-3.2-1b/config.json, so nothing is downloaded) at 2,048 tokens. It
-only prints: time depends on the machine and on what else runs on it, so the load average is
-printed beside it.
+Targets on 2 cores: the imports of an estimate within 2 s; one estimate of Llama-3.1-8B within
+3 s after them; the table plus the --gpu-memory search within 30 s for Llama-3.2-1B and 45 s for
+Llama-3.1-8B; the stack search (--stack-only) of Llama-3.1-8B within 60 s. It prints; time
+depends on the machine and on what else runs on it, so the load average is printed beside it.
+The configs are the published ones, in docs/models/: nothing is downloaded.
 """
 import argparse
+import json
 import os
 import subprocess
 import sys
@@ -25,46 +22,100 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-TARGETS = {"estimate": 10, "search": 120}  # seconds on 2 cores
+MODELS = {"Llama-3.2-1B": "docs/models/llama-3.2-1b", "Llama-3.1-8B": "docs/models/llama-3.1-8b"}
+SHAPE = ["--task", "causal-lm", "--seq-len", "2048"]
+TARGETS = {("imports", None): 2, ("estimate", "Llama-3.1-8B"): 3,
+           ("search", "Llama-3.2-1B"): 30, ("search", "Llama-3.1-8B"): 45,
+           ("stack", "Llama-3.1-8B"): 60}
+# one estimate in a fresh process: its imports timed apart from the prediction
+ONE_ESTIMATE = """
+import json, sys, time
+start = time.perf_counter()
+from estimate.predict import predict
+from steps import STEPS
+import transformers.models.llama.modeling_llama
+imported = time.perf_counter()
+record = predict(STEPS["04"].path, sys.argv[2:], exact=sys.argv[1] == "exact")
+done = time.perf_counter()
+print(json.dumps({"imports": imported - start, "estimate": done - imported, "record": record}))
+"""
 
 
-def timed(command):
-    """(wall seconds, exit status, last lines printed) of `command`, run from the repository."""
+def verdict(seconds, key):
+    target = TARGETS.get(key)
+    if target is None:
+        return ""
+    return f" (target {target} s: {'met' if seconds <= target else 'NOT met'})"
+
+
+def run(command):
+    """(wall seconds, stdout) of `command` run from the repository; exits on a failure."""
     load = os.getloadavg()[0]
     start = time.perf_counter()
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
     seconds = time.perf_counter() - start
-    print(f"$ {' '.join(command[1:])}\n  load average before: {load:.2f}")
-    return seconds, done.returncode, (done.stdout + done.stderr).strip().splitlines()
+    if done.returncode:
+        print((done.stdout + done.stderr)[-3000:])
+        raise SystemExit(f"exit status {done.returncode}: {' '.join(command)}")
+    return seconds, done.stdout, load
+
+
+def estimates(name, folder, exact):
+    """The single estimate of 04 at batch 1, as quick and as --exact."""
+    flags = ["--model", folder, *SHAPE, "--batch-size", "1", "--accum-steps", "1"]
+    found = {}
+    for how in ("quick", "exact") if exact else ("quick",):
+        _, out, load = run([sys.executable, "-c", ONE_ESTIMATE, how, *flags])
+        found[how] = json.loads(out.strip().splitlines()[-1])
+        found[how]["load"] = load
+    quick = found["quick"]
+    print(f"{name}: one estimate (04, batch 1, 2,048 tokens), load average {quick['load']:.2f}")
+    print(f"  imports    {quick['imports']:.1f} s" + verdict(quick["imports"], ("imports", None)))
+    print(f"  estimate   {quick['estimate']:.1f} s" + verdict(quick["estimate"], ("estimate", name))
+          + f", from blocks {quick['record']['blocks']}")
+    if exact:
+        whole = found["exact"]
+        same = all(quick["record"][key] == whole["record"][key] for key in
+                   ("allocated_bytes", "reserved_bytes", "breakdown_bytes", "init_reserved_bytes"))
+        print(f"  --exact    {whole['estimate']:.1f} s: the same bytes: {same}")
+
+
+def searches(name, folder, exact, what):
+    """The table plus the --gpu-memory search, or the stack search alone, as quick and --exact."""
+    flags = [*SHAPE, "--model", folder, "--batch-size", "8", "--gpu-memory", "80GB"]
+    if what == "stack":
+        flags.append("--stack-only")
+    lines = {}
+    for how in ("quick", "exact") if exact else ("quick",):
+        with tempfile.TemporaryDirectory() as results:
+            command = [sys.executable, "-m", "estimate", *flags, "--results-dir", results,
+                       *(["--exact"] if how == "exact" else [])]
+            seconds, out, load = run(command)
+        answer = [line for line in out.splitlines() if line.startswith("|")]
+        lines[how] = answer
+        label = {"search": "the table and the --gpu-memory search", "stack": "the stack search"}[what]
+        print(f"{name}: {label} ({how}): {seconds:.0f} s wall, load average {load:.2f}"
+              + (verdict(seconds, (what, name)) if how == "quick" else ""))
+    if exact:
+        print(f"  the same tables as --exact: {lines['quick'] == lines['exact']}")
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="docs/models/llama-3.2-1b")
-    parser.add_argument("--task", default="causal-lm", choices=["classification", "causal-lm"])
-    parser.add_argument("--seq-len", default="2048")
-    parser.add_argument("--batch-size", default="8", help="of the table and the search")
-    parser.add_argument("--gpu-memory", default="80GB")
+    parser.add_argument("--only", choices=["estimate", "search", "stack"])
+    parser.add_argument("--no-exact", action="store_true", help="leave out the --exact figures")
     args = parser.parse_args()
-    shape = ["--model", args.model, "--task", args.task, "--seq-len", args.seq_len]
-    with tempfile.TemporaryDirectory() as results:
-        runs = {
-            "estimate": [sys.executable, "04_grad_accum.py", *shape, "--batch-size", "1",
-                         "--accum-steps", "1", "--estimate", "--results-dir", results],
-            "search": [sys.executable, "-m", "estimate", *shape, "--batch-size", args.batch_size,
-                       "--gpu-memory", args.gpu_memory, "--results-dir", results],
-        }
-        for name, command in runs.items():
-            seconds, status, lines = timed(command)
-            if status != 0:
-                print("\n".join(lines[-20:]))
-                raise SystemExit(f"{name}: exit status {status}")
-            shown = [line for line in lines
-                     if line.startswith(("peak memory", "record", "searching", "wall time"))]
-            print("\n".join(f"  {line}" for line in shown))
-            met = "target met" if seconds <= TARGETS[name] else "target NOT met"
-            print(f"  {name}: {seconds:.1f} s wall (target {TARGETS[name]} s: {met})\n")
+    print(f"{os.cpu_count()} cores; python {sys.version.split()[0]}\n")
+    for name, folder in MODELS.items():
+        if args.only in (None, "estimate"):
+            estimates(name, folder, not args.no_exact)
+    for what in ("search", "stack"):
+        if args.only not in (None, what):
+            continue
+        for name, folder in MODELS.items():
+            if (what, name) in TARGETS:
+                searches(name, folder, not args.no_exact, what)
 
 
 if __name__ == "__main__":

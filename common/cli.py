@@ -107,7 +107,8 @@ SCRIPT_FLAGS = ["--preset", "--model", "--task", "--seq-len", "--image-size", "-
 # a script takes these only with --estimate (a real run uses the GPU it has, the processes
 # torchrun starts), and says so
 ESTIMATE_ONLY = {"--gpu": "names the GPU --estimate emulates",
-                 "--world-size": "is the process count --estimate assumes (torchrun sets a run's)"}
+                 "--world-size": "is the process count --estimate assumes (torchrun sets a run's)",
+                 "--exact": "makes --estimate run every micro-batch (a real run always does)"}
 
 
 def add_shared_flags(parser, names, defaults=None):
@@ -150,6 +151,9 @@ def parse_args(description, argv=None, accum_steps=None, sharded=False, no_accum
     parser.add_argument("--results-dir", default="results", help="where the JSON record goes")
     parser.add_argument("--estimate", action="store_true",
                         help="predict this run's peak GPU memory on fake tensors instead of training")
+    parser.add_argument("--exact", action="store_true", default=None,
+                        help="with --estimate: run every micro-batch, not two (the same bytes, "
+                             "slower: a check)")
     parser.add_argument("--compile", action="store_true",
                         help="torch.compile the model: its first call generates fused kernels for "
                              "the device (C++ on a CPU, Triton on a GPU), reused by later steps")

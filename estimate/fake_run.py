@@ -52,6 +52,10 @@ from estimate.fake_tensor_patches import (
 from steps import import_script
 
 QUICK_RUN = ["--max-steps", "2", "--epochs", "1"]  # a run's peak falls within two optimizer steps
+# micro-batches run per optimizer step on a GPU: the second adds its activations to the first's
+# gradients, as every later one does, so a step of 2 peaks as a step of any more (tests/estimate
+# checks it); without emulation the whole batch is in the CPU's memory too, so all of it is run
+MICRO_BATCHES_RUN = 2
 COMPUTE_DEVICE = torch.device("cpu")  # fake tensors stand for GPU memory here (see gpu_choices.py)
 HOST_DEVICE = torch.device("meta")  # fake host memory, so that `.to(device)` copies as on a GPU
 
@@ -70,6 +74,10 @@ class FakeRun:
     compiled: bool = False  # the script compiled its model (--compile); it ran eagerly here
     creation: object = None  # what measure_creation measured, on fake tensors
     creation_events: slice = field(default_factory=lambda: slice(0, 0))  # model creation's events
+    asked: tuple = None  # (batch, accumulation steps) asked, where fewer micro-batches ran
+    probe: int = None  # periods of blocks this run cuts the model to (blocks.py), or None: whole
+    periods: int = None  # a probe's: the periods of blocks of the whole model (blocks.py)
+    blocks: tuple = None  # a probe's (blocks of the whole model, its own blocks)
 
     def training_events(self):
         return self.trace.events[self.creation_events.stop:]
@@ -82,8 +90,8 @@ class FakeRun:
 class FakeLoader:
     """Batches of the preset's shapes, made when asked for, as many as a real epoch has."""
 
-    def __init__(self, preset, batch_size, samples, host, rank=0, world_size=1):
-        self.batches = samples // batch_size
+    def __init__(self, preset, batch_size, samples, host, rank=0, world_size=1, batches=None):
+        self.batches = samples // batch_size if batches is None else batches
         # each process takes every world_size-th sample of a global batch (common/data.py)
         self.samples = len(range(rank, batch_size, world_size))
         self.preset, self.host = preset, host
@@ -169,12 +177,14 @@ def stand_ins(run, world_size):
             raise EstimateError(f"no sample count known for the data set {preset.dataset!r}; "
                                 "add its splits to splits_of in estimate/fake_run.py")
         samples = splits[0]
+        asked = run.asked[0] if run.asked else batch_size  # the batch asked, whatever ran
         if run.any_batch_size:  # the --gpu-memory search: two batches, whatever their size
-            samples = max(samples, 2 * batch_size)
-        if batch_size > samples:
-            raise EstimateError(f"--batch-size {batch_size} is larger than the {samples} training "
+            samples = max(samples, 2 * asked)
+        if asked > samples:
+            raise EstimateError(f"--batch-size {asked} is larger than the {samples} training "
                                 f"samples of preset {preset.name!r}: no step would run")
-        loader = FakeLoader(preset, batch_size, samples, host, rank, world_size)
+        loader = FakeLoader(preset, batch_size, samples, host, rank, world_size,
+                            batches=samples // asked)  # as many steps as the asked batch gives
         return Data(train=loader, val=loader, test=loader)
 
     def create_model(preset, dtype=torch.float32):
@@ -186,9 +196,14 @@ def stand_ins(run, world_size):
             "sdpa" if model_class(preset)._supports_sdpa else "eager")
         if run.emulate_cuda and attention == "sdpa":
             attention = gpu_choices.register_gpu_attention(run.gpu)
+        config = model_config(preset)
+        if run.probe is not None:  # the model cut to a few periods of its blocks (blocks.py)
+            from estimate.blocks import cut_for_probe
+            run.periods, whole, config = cut_for_probe(config, run.probe)
+            run.blocks = (whole, config.num_hidden_layers)
         with torch.device("meta"):  # initialisers read values: build on meta, then swap in fakes
             model = model_class(preset)._from_config(
-                model_config(preset), dtype=dtype, attn_implementation=attention)
+                config, dtype=dtype, attn_implementation=attention)
         context = device_context()
         if context is not None and context.type == "meta":
             return model
@@ -240,9 +255,10 @@ def stand_ins(run, world_size):
     def report(args, script, creation, meter, progress, test_score):
         meter.result()
         world_size = dist.get_world_size() if dist.is_initialized() else 1
+        batch_size, accum_steps = run.asked or (args.batch_size, args.accum_steps)
         run.record = {"preset": args.preset, "model": args.model, "world_size": world_size,
                       "reshard_after_forward": getattr(args, "reshard_after_forward", None),
-                      "batch_size": args.batch_size, "accum_steps": args.accum_steps,
+                      "batch_size": batch_size, "accum_steps": accum_steps,
                       "steps": progress.steps}
         return run.record
 
@@ -267,6 +283,21 @@ def stand_ins(run, world_size):
             "fill_shards": fill_shards, "HOST": host}
 
 
+def fewer_micro_batches(parse_args, run, world_size):
+    """The script's parse_args, whose arguments then ask for MICRO_BATCHES_RUN micro-batches of
+    the size asked where more were asked (the asked batch and steps are kept in `run.asked`).
+    A batch that does not split evenly is left as asked: the script's own check says so."""
+    def parse(*args, **kwargs):
+        parsed = parse_args(*args, **kwargs)
+        steps = getattr(parsed, "accum_steps", None) or 1
+        if steps > MICRO_BATCHES_RUN and parsed.batch_size % (steps * world_size) == 0:
+            run.asked = (parsed.batch_size, steps)
+            parsed.batch_size = parsed.batch_size // steps * MICRO_BATCHES_RUN
+            parsed.accum_steps = MICRO_BATCHES_RUN
+        return parsed
+    return parse
+
+
 def wants_cuda_emulation(argv):
     """--device cpu asks for the CPU itself (no GPU emulation); anything else predicts a GPU."""
     parser = argparse.ArgumentParser(add_help=False)
@@ -280,17 +311,19 @@ def without_estimate_flag(argv):
 
 
 def run_on_fake_tensors(script_path, argv, world_size=1, gpu=gpu_choices.DEFAULT_GPU,
-                        any_batch_size=False):
+                        any_batch_size=False, every_micro_batch=False, probe=None):
     """Run the script's main(argv) for two optimizer steps on fake tensors; returns a FakeRun.
 
     `argv` are the script's own flags; `world_size` is the number of processes a distributed
     script would run in (the fake process group's size); `gpu` the GPU emulated (GPUS' keys);
     `any_batch_size`: the data set is as large as two batches of the size asked need (the
-    --gpu-memory search asks what fits, beyond what the preset's data set holds).
+    --gpu-memory search asks what fits, beyond what the preset's data set holds);
+    `every_micro_batch`: run each of the --accum-steps micro-batches asked, not two (--exact).
+    `probe`: run the model cut to that many periods of its blocks (blocks.py), not whole.
     """
     emulate_cuda = wants_cuda_emulation(argv)
     run = FakeRun(script=Path(script_path).stem, emulate_cuda=emulate_cuda, gpu=gpu,
-                  any_batch_size=any_batch_size)
+                  any_batch_size=any_batch_size, probe=probe)
     module = import_script(script_path, prefix="estimated")
     check_contract(module, Path(script_path).name)
     replacements = stand_ins(run, world_size)
@@ -299,6 +332,8 @@ def run_on_fake_tensors(script_path, argv, world_size=1, gpu=gpu_choices.DEFAULT
         replacements.update(four_bit_stand_ins(emulate_cuda, gpu_choices.GPUS[run.gpu]))
     for name in required_names(module):
         setattr(module, name, replacements[name])
+    if emulate_cuda and not every_micro_batch:  # (on the CPU the batch itself is on the device)
+        module.parse_args = fewer_micro_batches(module.parse_args, run, world_size)
     script_argv = [*without_estimate_flag(argv), *QUICK_RUN, "--device", "cpu"]
     fake_mode = FakeModeReadingZeros(allow_non_fake_inputs=True, cuda_batch_norm=emulate_cuda)
     with ExitStack() as stack:

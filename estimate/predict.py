@@ -10,6 +10,7 @@ from pathlib import Path
 from common.memory import model_state_bytes_per_parameter
 from common.summary import model_state_words, run_words
 from estimate.allocation_trace import replay
+from estimate.blocks import run_by_blocks
 from estimate.fake_run import (
     EstimateError,
     run_on_fake_tensors,
@@ -21,6 +22,8 @@ from estimate.records import read_estimate, save_records, size_text
 from estimate.snapshot import Recorder
 from estimate.snapshot import write as write_snapshot
 
+EXACT_VARIABLE = "ESTIMATE_EXACT"  # 1: every estimate runs whole (python -m estimate --exact)
+
 
 @dataclass
 class Row:
@@ -31,6 +34,7 @@ class Row:
     gpu: str = DEFAULT_GPU  # the GPU emulated (without --device cpu): a key of GPUS
     any_batch_size: bool = False  # the data set holds two batches of any size (fit.py's search)
     snapshot: str | None = None  # where the predicted memory snapshot goes (--memory-snapshot)
+    exact: bool = False  # every micro-batch asked is run, not two (--exact)
 
     @property
     def label(self):
@@ -38,12 +42,22 @@ class Row:
 
 
 def predict(script_path, argv, world_size=1, gpu=DEFAULT_GPU, any_batch_size=False,
-            snapshot=None):
+            snapshot=None, exact=False):
     """The estimate record for running `script_path` with its flags `argv` (on the GPU `gpu`, a
     key of GPUS, unless they say --device cpu); raises EstimateError. `any_batch_size`: the
     fake data set is as large as two batches of the size asked need. `snapshot`: a file for
-    the predicted memory snapshot of the steps (and its picture beside it: snapshot.py)."""
-    run = run_on_fake_tensors(script_path, argv, world_size, gpu, any_batch_size)
+    the predicted memory snapshot of the steps (and its picture beside it: snapshot.py).
+    `exact`: run every micro-batch asked, not two (fake_run.MICRO_BATCHES_RUN), and the whole
+    model, not probes of a few of its blocks (blocks.py), to check."""
+    run, exact = None, exact or os.environ.get(EXACT_VARIABLE) == "1"
+    if wants_cuda_emulation(argv) and not (exact or snapshot):
+        try:  # from runs of a few periods of the model's blocks (blocks.py), where they repeat
+            run = run_by_blocks(script_path, argv, world_size, gpu, any_batch_size)
+        except Exception:  # noqa: BLE001 - NotByBlocks, or a probe's failure: run it whole
+            run = None
+    if run is None:
+        run = run_on_fake_tensors(script_path, argv, world_size, gpu, any_batch_size,
+                                  every_micro_batch=exact)
     if run.emulate_cuda:
         host = HOST_CATEGORIES_WHEN_OFFLOADED if run.offloaded else frozenset()
         recorder = Recorder() if snapshot else None
@@ -75,7 +89,9 @@ def predict(script_path, argv, world_size=1, gpu=DEFAULT_GPU, any_batch_size=Fal
             "model_state_bytes_per_parameter": model_state_bytes_per_parameter(
                 breakdown, run.meter_result["parameters_held"]),  # the device's bytes, as above
             "init_allocated_bytes": init_allocated, "init_reserved_bytes": init_reserved,
-            "compiled": run.compiled}
+            "compiled": run.compiled,
+            # [blocks of the model, [blocks of each probe]] where probes stood for it (blocks.py)
+            "blocks": run.blocks and [run.blocks[0], run.blocks[1]]}
 
 
 def failure_message(error, script, argv=()):
@@ -106,7 +122,7 @@ def attempt(row):
     start = time.perf_counter()
     try:
         record = predict(row.script, row.argv, row.world_size, row.gpu, row.any_batch_size,
-                         row.snapshot)
+                         row.snapshot, row.exact)
     except Exception as error:  # noqa: BLE001 - reported as the row's outcome
         if os.environ.get("ESTIMATE_TRACEBACK"):
             traceback.print_exc()
@@ -134,6 +150,10 @@ def summary(record):
     lines.append(f"peak memory of creation {size_text(record['init_allocated_bytes'])}"
                  + ("   (allocated on the GPU while the model is built, per process)" if gpu
                     else "   (as measure_creation counts)"))
+    if record.get("blocks"):
+        whole, probes = record["blocks"]
+        lines.append(f"  from runs of {', '.join(map(str, probes[:-1]))} and {probes[-1]} of the "
+                     f"model's {whole} blocks, written out to {whole} (--exact runs them all)")
     if record.get("compiled"):
         lines.append("--compile: predicted for the eager run (the model ran uncompiled here);\n"
                      "  torch.compile fuses operations and chooses what backward keeps, so a "
@@ -153,6 +173,7 @@ def estimate(script, argv):
     own.add_argument("--gpu")
     own.add_argument("--world-size", type=int)
     own.add_argument("--memory-snapshot")
+    own.add_argument("--exact", action="store_true")
     asked, script_argv = own.parse_known_args(argv)
     script_argv += ["--results-dir", asked.results_dir]  # checked as the script checks it
     problem = gpu_problem(asked.gpu, wants_cuda_emulation(script_argv))
@@ -163,7 +184,8 @@ def estimate(script, argv):
     except Exception as error:  # noqa: BLE001
         raise SystemExit(f"error: {failure_message(error, script)}")
     record, problem, seconds = attempt(Row(Path(script), script_argv, world_size,
-                                           asked.gpu or DEFAULT_GPU, snapshot=asked.memory_snapshot))
+                                           asked.gpu or DEFAULT_GPU, snapshot=asked.memory_snapshot,
+                                           exact=asked.exact))
     if problem:
         raise SystemExit(f"error: cannot estimate {Path(script).name}: {problem}")
     print(summary(record))

@@ -11,7 +11,7 @@ from common.cli import add_shared_flags, parse_args, positive_int, unwritable
 from common.presets import PRESETS
 from estimate.fit import fit_table, parse_size, search_all, without_batch_flags
 from estimate.gpu_choices import DEFAULT_GPU, GPUS, gpu_problem
-from estimate.predict import Row, attempt
+from estimate.predict import EXACT_VARIABLE, Row, attempt
 from estimate.published import STUDY_RESERVED_GB
 from estimate.records import (
     GB,
@@ -141,6 +141,9 @@ def parse_table_args(argv):
     parser.add_argument("--jobs", type=positive_int, default=min(2, os.cpu_count() or 1),
                         help="estimates run at once, one process each (default: 2)")
     parser.add_argument("--results-dir", default="results", help="where estimate.json goes")
+    parser.add_argument("--exact", action="store_true",
+                        help="run every micro-batch of each row, not two (the same bytes, slower: "
+                             "a check)")
     args = parser.parse_args(argv)
     # the stack runs one GPU unless --world-size is given (the table's default is 4)
     args.stack_world_size = args.world_size if any(
@@ -187,8 +190,21 @@ def model_flags(args):
 
 def main(argv=None):
     """`python -m estimate`: every numbered script, one table; returns the exit status."""
+    previous = os.environ.get(EXACT_VARIABLE)
+    try:
+        return table_main(argv)
+    finally:  # --exact holds for this call only
+        if previous is None:
+            os.environ.pop(EXACT_VARIABLE, None)
+        else:
+            os.environ[EXACT_VARIABLE] = previous
+
+
+def table_main(argv):
     start = time.perf_counter()
     args = parse_table_args(argv)
+    if args.exact:  # every estimate of the table, the search and the stack, in every worker
+        os.environ[EXACT_VARIABLE] = "1"
     try:
         steps = select(args.steps, args.task)
     except UnknownStep as problem:

@@ -68,6 +68,32 @@ def test_sharded_tiny_estimate_equals_the_real_single_process_run(name, tmp_path
     assert predicted["breakdown_bytes"] == real["breakdown_bytes"]
 
 
+@pytest.mark.parametrize("name, flags, world_size", [
+    ("05c", ["--device", "cuda"], 1),  # 4 micro-batches of 16 on an emulated GPU
+    ("09", ["--device", "cuda"], 4),  # sharded: 4 of 4 per process
+    ("10", [*TEXT, "--task", "causal-lm", "--batch-size", "8", "--accum-steps", "4", "--loss",
+            "chunked", "--optimizer-on-host", "--device", "cuda"], 1),
+    ("04", ["--batch-size", "1256", "--device", "cuda"], 1),  # one step in the epoch, not two
+    ("05", ["--batch-size", "6", "--device", "cuda"], 1),  # 6 over 4 micro-batches: refused
+    ("05c", ["--batch-size", "8", *NO_EMULATION], 1),  # the CPU holds the whole batch: all run
+], ids=["05c", "09-sharded", "10-text", "04-one-step", "05-uneven", "05c-cpu"])
+def test_two_micro_batches_predict_a_step_of_as_many_as_asked(name, flags, world_size):
+    """On a GPU the estimate runs two micro-batches of the size asked, however many are asked
+    (--exact runs them all): the record is the same, the batch and steps asked included."""
+    def record(exact):
+        try:
+            return predict(script_path(name), flags, world_size=world_size, exact=exact)
+        except EstimateError as error:
+            return str(error)
+    quick, exact = record(exact=False), record(exact=True)
+    assert quick == exact
+    if isinstance(quick, str):
+        assert "--batch-size 6" in quick and "--accum-steps" in quick
+    else:
+        assert (quick["batch_size"], quick["accum_steps"]) == (int(dict(zip(flags, flags[1:])).get(
+            "--batch-size", 64)), 4)
+
+
 def test_the_recorded_order_replays_to_memtrackers_own_peak():
     run = run_on_fake_tensors(script_path("04"), NO_EMULATION)
     replayed = replay(run.training_events(), "cpu", emulate_cuda=False)
@@ -200,13 +226,16 @@ def test_a_scripts_estimate_takes_the_gpu_and_world_size_the_table_takes(tmp_pat
     flags = ["--estimate", "--results-dir", str(tmp_path)]
     load_script("03").main([*flags, "--gpu", "v100"])
     load_script("07").main([*flags, "--world-size", "2"])
+    load_script("04").main([*flags, "--exact", "--batch-size", "64"])  # all 4 micro-batches
     records = {record["script"]: record
                for record in json.loads((tmp_path / "estimate.json").read_text())}
     assert records["03_bf16"]["gpu"] == "V100" and records["07_fsdp"]["world_size"] == 2
+    assert records["04_grad_accum"]["accum_steps"] == 4
     as_the_table = predict(script_path("03"), ["--preset", "tiny", "--device", "cuda"], gpu="v100")
     assert records["03_bf16"]["allocated_bytes"] == as_the_table["allocated_bytes"]
     for name, flag, said in [("03", ["--gpu", "v100"], "--gpu names the GPU --estimate emulates"),
-                             ("07", ["--world-size", "2"], "--world-size is the process count")]:
+                             ("07", ["--world-size", "2"], "--world-size is the process count"),
+                             ("04", ["--exact"], "--exact makes --estimate run every micro-batch")]:
         with pytest.raises(SystemExit) as stop:
             load_script(name).main([*flag, "--results-dir", str(tmp_path)])
         assert stop.value.code == 2

@@ -1,0 +1,390 @@
+"""The estimate by blocks: a model of N repeated blocks predicted from runs with a few of them.
+
+A decoder or encoder is an embedding, blocks that repeat with a period (1 for most; ModernBERT
+alternates global and local attention every third layer: its `layer_types` repeat every 3) and
+a head. Two optimizer steps on fake tensors spend most of their time in the blocks, so the
+estimate runs the same script three times on the model cut to a few periods of blocks (a, a+1
+and a+2), and writes the allocation trace of N from them:
+
+1. the trace of a+1 periods is the trace of a with, at a few places, one unit more: a block's
+   forward, its backward, its parameters' share of each optimizer operation. `insertions`
+   finds them by walking both traces (events compared by kind, bytes, device and category);
+2. around each place the unit repeats: a region of M copies. Every event is then either in a
+   region (which copy, where in it) or fixed. Each free, resize or relabel refers to a storage
+   allocated earlier; `learn` finds, for each such event, the rule that names its storage in
+   every probe: a fixed storage, or a copy counted from the region's start or end, or from the
+   event's own copy, the same way round or mirrored (backward frees the last block's first);
+3. `synthesise` writes the trace with any number of copies per region from those rules. It is
+   checked first on the largest probe, written from the two smaller ones: if that is not the
+   probe's own trace, event for event, the estimate runs the whole model instead.
+
+The trace of N is then replayed through the caching allocator as a whole run's is: the same
+bytes, the same segments. What is not written here comes from the probes: the parameter count
+grows by the same number per period (checked on the three).
+"""
+import copy
+from collections import defaultdict
+
+from estimate.allocation_trace import ALLOC, FREE, LABEL, RESIZE
+
+CREATION, TRAINING = ("creation",), ("training",)  # where creation's events start and end
+# the probes' periods of blocks, tried in turn: the first block is unlike the others, and under
+# FSDP the last too (it gathers no next block's weights ahead), so a sharded model repeats from 3
+PROBES = ((2, 3, 4), (3, 4, 5))
+FEWEST_PERIODS = 8  # a model with fewer periods runs whole: the probes would save little
+
+
+class NotByBlocks(Exception):
+    """The model or its trace does not repeat as this module needs: run it whole."""
+
+
+def per_layer_lists(config):
+    """The config's settings with one entry per block (transformers' `layer_types`)."""
+    count = config.num_hidden_layers
+    return {name: value for name, value in vars(config).items()
+            if isinstance(value, list) and len(value) == count}
+
+
+def period_of(config):
+    """The fewest blocks after which every per-block setting repeats."""
+    count = config.num_hidden_layers
+    lists = per_layer_lists(config).values()
+    for period in range(1, count + 1):
+        if all(value[index] == value[index % period] for value in lists
+               for index in range(count)):
+            return period
+    return count
+
+
+def cut_for_probe(config, periods_kept):
+    """(periods of the whole model, blocks of the whole model, `config` cut to `periods_kept`
+    periods and what is left over), or NotByBlocks where the model is too short to gain."""
+    count = getattr(config, "num_hidden_layers", None)
+    if not isinstance(count, int) or count < 1:
+        raise NotByBlocks("the model's config has no num_hidden_layers")
+    period = period_of(config)
+    periods, rest = divmod(count, period)
+    if periods < max(FEWEST_PERIODS, periods_kept + 1):
+        raise NotByBlocks(f"{periods} periods of blocks: too few to gain from probes")
+    return periods, count, cut_to(config, periods_kept * period + rest)
+
+
+def cut_to(config, blocks):
+    """A copy of `config` with its first `blocks` blocks (and their per-block settings)."""
+    cut = copy.deepcopy(config)
+    for name, value in per_layer_lists(config).items():
+        setattr(cut, name, value[:blocks])
+    cut.num_hidden_layers = blocks
+    return cut
+
+
+def signature(event, sizes):
+    """An event as compared between traces: what it does, not which storage it names."""
+    kind = event[0]
+    if kind == ALLOC:
+        return event[0], event[2], event[3], event[4]
+    if kind == FREE:
+        return kind, sizes.get(event[1])
+    if kind == RESIZE:
+        return kind, event[2]
+    if kind == LABEL:
+        return kind, event[2]
+    return event
+
+
+def signatures(events):
+    sizes, found = {}, []
+    for event in events:
+        if event[0] == ALLOC:
+            sizes[event[1]] = (event[2], event[4])
+        found.append(signature(event, sizes))
+    return found
+
+
+def insertions(shorter, longer, agree=16):
+    """[(position in `longer`, length)]: the runs of events `longer` has beyond `shorter`, each a
+    repetition of the events just before it, after which both go on alike (for `agree` events
+    at least, or to the end). NotByBlocks if the traces differ otherwise."""
+    found, i, j = [], 0, 0
+    budget = len(longer) - len(shorter)
+    while True:
+        while i < len(shorter) and j < len(longer) and shorter[i] == longer[j]:
+            i, j = i + 1, j + 1
+        if i == len(shorter) and j == len(longer):
+            return found
+        check = min(len(shorter) - i, agree)
+        for length in range(1, budget - sum(n for _, n in found) + 1):
+            if (j >= length and longer[j - length:j] == longer[j:j + length]
+                    and longer[j + length:j + length + check] == shorter[i:i + check]
+                    and (check or j + length == len(longer))):
+                break
+        else:
+            raise NotByBlocks("the larger probe's trace is not the smaller one's with repeated units")
+        found.append((j, length))
+        j += length
+
+
+def regions(sequence, places):
+    """For each inserted (position, length): (start, copies, length) of the copies of that unit
+    that end where the insertion ends, as far back as they repeat."""
+    found = []
+    for position, length in places:
+        end = position + length
+        start = end - length
+        while start - length >= 0 and sequence[start - length:start] == sequence[start:start + length]:
+            start -= length
+        found.append((start, (end - start) // length, length))
+    return found
+
+
+def coordinates(sequence_length, found):
+    """Each event's place: ("r", region, copy, offset) or ("f", index among the fixed events)."""
+    places, fixed, index = [None] * sequence_length, 0, 0
+    starts = sorted((start, number, copies, length)
+                    for number, (start, copies, length) in enumerate(found))
+    position = 0
+    for start, number, copies, length in starts:
+        if start < position:
+            raise NotByBlocks("repeated regions overlap")
+        for index in range(position, start):
+            places[index] = ("f", fixed)
+            fixed += 1
+        for offset in range(copies * length):
+            places[start + offset] = ("r", number, offset // length, offset % length)
+        position = start + copies * length
+    for index in range(position, sequence_length):
+        places[index] = ("f", fixed)
+        fixed += 1
+    return places
+
+
+class Probe:
+    """One probe's trace, seen as fixed events and regions of repeated units."""
+
+    def __init__(self, events, periods, found):
+        self.events, self.periods = events, periods
+        self.found = found  # [(start, copies, length)] per region
+        self.places = coordinates(len(events), found)
+        self.allocated_at = {}  # storage -> its allocation's place
+        for event, place in zip(events, self.places):
+            if event[0] == ALLOC:
+                self.allocated_at[event[1]] = place
+
+    def copies(self, region):
+        return self.found[region][1]
+
+    def references(self):
+        """(place of the event, place of the allocation it names) for each free, resize, label."""
+        for event, place in zip(self.events, self.places):
+            if event[0] in (FREE, RESIZE, LABEL):
+                target = self.allocated_at.get(event[1])
+                if target is None:
+                    raise NotByBlocks("an event names a storage allocated before the trace")
+                yield place, target
+
+
+def rule_candidates(place, target, probe):
+    """The rules (kind, region, shift, offset) that name `target`, a copy in a region, from
+    `place` in `probe`: counted from the region's start or end, or from the event's own copy."""
+    _, region, copy_index, offset = target
+    last = probe.copies(region) - 1
+    rules = {("first", region, copy_index, offset), ("last", region, last - copy_index, offset)}
+    if place[0] == "r":
+        own = place[2]
+        rules |= {("same", region, copy_index - own, offset),
+                  ("mirror", region, copy_index - (probe.copies(place[1]) - 1 - own), offset)}
+    return rules
+
+
+def source_class(place):
+    """The events that share a rule: a fixed event, or an offset in a region's copies."""
+    return place if place[0] == "f" else ("r", place[1], place[3])
+
+
+ORDER = ("same", "mirror", "first", "last")
+
+
+def copy_named(rule, place, copies):
+    """The index of the copy a rule names from `place` (outside the region where it names a
+    fixed event before or after it: the first block's, whose events are not a copy)."""
+    kind, region, shift = rule[:3]
+    if kind == "first":
+        return shift
+    if kind == "last":
+        return copies[region] - 1 - shift
+    if kind == "same":
+        return place[2] + shift
+    return copies[place[1]] - 1 - place[2] + shift  # mirror
+
+
+def fit_rule(seen):
+    """One rule for the references `seen` [(place, target, probe)] of one source class: a fixed
+    storage, or a copy named as rule_candidates names them, with the fixed storages it names
+    beyond the region's ends (by how far beyond); NotByBlocks if none holds in every probe."""
+    targets = {target for _, target, _ in seen}
+    if len(targets) == 1 and next(iter(targets))[0] == "f":
+        return ("fixed", next(iter(targets))[1])
+    candidates = None
+    for place, target, probe in seen:
+        if target[0] == "r":
+            found = rule_candidates(place, target, probe)
+            candidates = found if candidates is None else candidates & found
+    for rule in sorted(candidates or (), key=lambda rule: (ORDER.index(rule[0]), rule[1:])):
+        beyond, holds = {}, True
+        for place, target, probe in seen:
+            copies = [count for _, count, _ in probe.found]
+            index, count = copy_named(rule, place, copies), copies[rule[1]]
+            if 0 <= index < count:
+                holds = target == ("r", rule[1], index, rule[3])
+            else:
+                edge = index if index < 0 else index - count
+                holds = target[0] == "f" and beyond.setdefault(edge, target[1]) == target[1]
+            if not holds:
+                break
+        if holds:
+            return (*rule, beyond)
+    raise NotByBlocks("a storage is named differently from copy to copy")
+
+
+def learn(probes):
+    """{source class: rule} that holds in every probe, or NotByBlocks."""
+    seen = defaultdict(list)
+    for probe in probes:
+        for place, target in probe.references():
+            seen[source_class(place)].append((place, target, probe))
+    return {key: fit_rule(found) for key, found in seen.items()}
+
+
+def target_place(rule, place, copies):
+    if rule[0] == "fixed":
+        return ("f", rule[1])
+    index, count = copy_named(rule, place, copies), copies[rule[1]]
+    if 0 <= index < count:
+        return ("r", rule[1], index, rule[3])
+    edge = index if index < 0 else index - count
+    if edge not in rule[4]:
+        raise NotByBlocks("a rule names a copy beyond its region that no probe showed")
+    return ("f", rule[4][edge])
+
+
+def synthesise(template, rules, periods):
+    """The events of the model with `periods` periods, from the `template` probe: each region
+    with as many more copies as periods are added, storages numbered in order of allocation."""
+    extra = periods - template.periods
+    copies = [found_copies + extra for _, found_copies, _ in template.found]
+    if min(copies) < 1:
+        raise NotByBlocks("fewer periods than a region needs")
+    fixed = [event for event, place in zip(template.events, template.places) if place[0] == "f"]
+    units = [template.events[start:start + length] for start, _, length in template.found]
+    starts = sorted(range(len(template.found)), key=lambda number: template.found[number][0])
+    fixed_before = {}  # region -> fixed events before it
+    for number in starts:
+        start = template.found[number][0]
+        fixed_before[number] = sum(1 for place in template.places[:start] if place[0] == "f")
+    events, storage_of, numbers = [], {}, iter(range(10**12))
+
+    def emit(event, place):
+        if event[0] == ALLOC:
+            storage = storage_of[place] = next(numbers)
+            events.append((ALLOC, storage, *event[2:]))
+        elif event[0] in (FREE, RESIZE, LABEL):
+            target = target_place(rules[source_class(place)], place, copies)
+            if target not in storage_of:
+                raise NotByBlocks("a rule names a storage not yet allocated")
+            events.append((event[0], storage_of[target], *event[2:]))
+        else:
+            events.append(event)
+
+    done = 0
+    for number in starts:
+        for index in range(done, fixed_before[number]):
+            emit(fixed[index], ("f", index))
+        done = fixed_before[number]
+        for copy_index in range(copies[number]):
+            for offset, event in enumerate(units[number]):
+                emit(event, ("r", number, copy_index, offset))
+    for index in range(done, len(fixed)):
+        emit(fixed[index], ("f", index))
+    return events
+
+
+def renumbered(events):
+    """`events` with storages numbered in order of allocation (to compare two traces)."""
+    numbers, found = {}, []
+    for event in events:
+        if event[0] == ALLOC:
+            numbers[event[1]] = len(numbers)
+        if event[0] in (ALLOC, FREE, RESIZE, LABEL):
+            found.append((event[0], numbers.get(event[1]), *event[2:]))
+        else:
+            found.append(event)
+    return found
+
+
+def extend(traces, periods, total):
+    """The events of `total` periods from `traces` of `periods` (three consecutive counts), or
+    NotByBlocks. The rules hold in both larger probes, and the largest is written from the
+    middle one as a check: event for event."""
+    shapes = [signatures(events) for events in traces]
+    middle = regions(shapes[1], insertions(shapes[0], shapes[1]))
+    largest = regions(shapes[2], insertions(shapes[1], shapes[2]))
+    if [(copies + 1, length) for _, copies, length in middle] != [
+            (copies, length) for _, copies, length in largest]:
+        raise NotByBlocks("the regions do not grow by one copy per period")
+    probes = [Probe(traces[1], periods[1], middle), Probe(traces[2], periods[2], largest)]
+    rules = learn(probes)
+    if synthesise(probes[0], rules, periods[2]) != renumbered(traces[2]):
+        raise NotByBlocks("the largest probe is not what the smaller ones predict")
+    return synthesise(probes[0], rules, total)
+
+
+def linear(values, periods, total):
+    """A count that grows by the same step per period (checked on the probes), at `total`."""
+    steps = {later - earlier for earlier, later in zip(values, values[1:])}
+    if len(steps) != 1:
+        raise NotByBlocks("a count does not grow by the same step per period")
+    return values[0] + steps.pop() * (total - periods[0])
+
+
+def marked(run):
+    """A probe's events with CREATION and TRAINING where model creation's events start and end."""
+    events, start, stop = run.trace.events, run.creation_events.start, run.creation_events.stop
+    return [*events[:start], CREATION, *events[start:stop], TRAINING, *events[stop:]]
+
+
+def run_by_blocks(script_path, argv, world_size, gpu, any_batch_size):
+    """A FakeRun of the whole model, written from runs of the model cut to a few periods of its
+    blocks (its trace, creation's part of it and the parameter counts); NotByBlocks where the
+    model does not repeat so, or is too short to gain."""
+    from estimate.fake_run import run_on_fake_tensors
+    runs, failed = {}, None
+    for periods in PROBES:
+        for count in periods:
+            if count not in runs:
+                runs[count] = run_on_fake_tensors(script_path, argv, world_size, gpu,
+                                                  any_batch_size, probe=count)
+                if runs[count].blocks is None:
+                    raise NotByBlocks("the script created no model from a config")
+        total = runs[periods[0]].blocks[0]
+        try:
+            events = extend([marked(runs[count]) for count in periods], periods,
+                            runs[periods[0]].periods)
+        except NotByBlocks as problem:
+            failed = problem
+            continue
+        break
+    else:
+        raise failed
+    start, stop = events.index(CREATION), events.index(TRAINING)
+    whole = runs[periods[-1]]
+    whole.trace.events = [event for event in events if event not in (CREATION, TRAINING)]
+    whole.trace.phases = None  # (the memory snapshot runs the whole model: --exact)
+    whole.creation_events = slice(start, stop - 1)
+    counted = [runs[count].meter_result for count in periods]
+    whole.meter_result = {
+        "peak_memory_bytes": None, "breakdown_bytes": None,  # (a CPU run's: runs whole)
+        **{name: linear([found[name] for found in counted], periods, whole.periods)
+           for name in ("parameter_count", "parameters_held")}}
+    whole.blocks = (total, [runs[count].blocks[1] for count in periods])
+    whole.probe = None
+    return whole

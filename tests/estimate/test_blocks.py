@@ -1,0 +1,110 @@
+"""The estimate by blocks (estimate/blocks.py): three runs of a few periods of a model's blocks
+written out to all of them give the bytes of the run of the whole model, which --exact runs."""
+import re
+
+import pytest
+
+from architecture_matrix import ARCHITECTURES, model_flags, write_model
+from conftest import script_path
+from estimate import blocks
+from estimate.predict import predict
+from steps import STEPS
+
+COMPARED = ("allocated_bytes", "reserved_bytes", "breakdown_bytes", "host_bytes",
+            "init_allocated_bytes", "init_reserved_bytes", "parameter_count",
+            "model_state_bytes_per_parameter", "batch_size", "accum_steps")
+BLOCKS = 6  # per model: probes of 2, 3 and 4 blocks (5 periods of 3 for ModernBERT)
+# what runs whole, and why: Adafactor's step frees, in the last block only, another of two
+# temporaries of one size than in the others (so no one rule names it in every copy)
+RUNS_WHOLE = {"05b"}
+LAYER_COUNTS = ("num_hidden_layers", "n_layers", "n_layer")  # as the configs name it
+
+
+def deeper(folder, name, blocks_count):
+    """The matrix's model `name`, `blocks_count` blocks deep, written to `folder`."""
+    model_type, arguments = ARCHITECTURES[name]
+    counted = next(key for key in LAYER_COUNTS if key in arguments)
+    ARCHITECTURES[name] = (model_type, {**arguments, counted: blocks_count})
+    try:
+        return write_model(folder, name)
+    finally:
+        ARCHITECTURES[name] = (model_type, arguments)
+
+
+@pytest.fixture
+def probes_from_three_periods(monkeypatch):
+    """Models of 5 periods and more are estimated by blocks (the default waits for 8)."""
+    monkeypatch.setattr(blocks, "FEWEST_PERIODS", 3)
+
+
+def assert_by_blocks_is_whole(script, flags, world_size, blocks_count, period=1):
+    by_blocks = predict(script_path(script), flags, world_size=world_size)
+    whole = predict(script_path(script), flags, world_size=world_size, exact=True)
+    assert {key: by_blocks[key] for key in COMPARED} == {key: whole[key] for key in COMPARED}
+    if script in RUNS_WHOLE:
+        assert by_blocks["blocks"] is None
+        return
+    assert whole["blocks"] is None and by_blocks["blocks"] is not None  # not run whole
+    assert by_blocks["blocks"][0] == blocks_count and by_blocks["blocks"][1] in [
+        [count * period for count in probes] for probes in blocks.PROBES]
+
+
+@pytest.mark.parametrize("name", [name for name in ARCHITECTURES if name != "ResNet"])
+def test_every_architecture_is_estimated_by_blocks_to_the_byte(name, tmp_path,
+                                                                probes_from_three_periods):
+    period = 3 if name == "ModernBERT" else 1  # its global attention every third block
+    count = 5 * period if period > 1 else BLOCKS
+    folder = deeper(tmp_path / re.sub(r"\W", "", name.lower()), name, count)
+    flags = [*model_flags(folder, name), "--device", "cuda", "--batch-size", "8"]
+    assert_by_blocks_is_whole("04", flags, 1, count, period)
+
+
+# a script of each kind of trace: every micro-batch at once, the step in backward, recomputation,
+# offload, the host's optimizer, the chunked loss, 4 bits, FSDP (plain and checkpointed), and
+# the runs that stay whole; the others (02, 03, 04b, 05, 05a, 06, 07a, 08) change dtypes or an
+# optimizer's state within these traces' shapes, and were checked on Llama-3.2-1B (the note)
+@pytest.mark.parametrize("script, switches", [
+    *((step, []) for step in ("01", "04a", "05b", "05c", "05d", "05e", "05f", "05g", "07", "07b",
+                              "09")),
+    ("10", ["--accum-steps", "4", "--optimizer", "adamw-8bit", "--checkpointing", "selective",
+            "--loss", "chunked"]),
+    ("10", ["--optimizer-on-host", "--lora-rank", "4", "--qlora"]),
+], ids=lambda value: value if isinstance(value, str) else "-".join(
+    flag.removeprefix("--") for flag in value[:8:2]))
+def test_every_script_is_estimated_by_blocks_to_the_byte(script, switches, tmp_path,
+                                                         probes_from_three_periods):
+    folder = deeper(tmp_path / "llama", "Llama", BLOCKS)
+    flags = [*model_flags(folder, "Llama"), "--task", "causal-lm", "--device", "cuda",
+             "--batch-size", "8", *switches]
+    world_size = 2 if STEPS[script].sharded else 1
+    assert_by_blocks_is_whole(script, flags, world_size, BLOCKS)
+
+
+def test_a_model_that_does_not_repeat_runs_whole(tmp_path, probes_from_three_periods):
+    folder = write_model(tmp_path / "resnet", "ResNet")  # stages of different widths
+    record = predict(script_path("04"), ["--model", str(folder), "--device", "cuda"])
+    assert record["blocks"] is None and record["allocated_bytes"] > 0
+
+
+def test_a_model_too_short_to_gain_runs_whole(tmp_path):
+    folder = deeper(tmp_path / "llama", "Llama", BLOCKS)  # 6 periods, fewer than 8
+    record = predict(script_path("04"), [*model_flags(folder, "Llama"), "--device", "cuda"])
+    assert record["blocks"] is None
+
+
+def test_a_trace_the_rules_do_not_write_is_refused():
+    """The check that makes a wrong extension impossible: the largest probe must be what the
+    smaller ones predict, event for event; here its last block frees one storage too few."""
+    def trace(count):  # creation, a forward of `count` blocks, their backward in reverse
+        events, number = [("alloc", 0, 8, "cpu", "Parameter")], 1
+        for _ in range(count):
+            events.append(("alloc", number, 64, "cpu", "Activation"))
+            number += 1
+        events += [("free", storage) for storage in range(number - 1, 0, -1)]
+        return events
+
+    written = blocks.extend([trace(2), trace(3), trace(4)], [2, 3, 4], 9)
+    assert blocks.renumbered(written) == blocks.renumbered(trace(9))
+    broken = trace(4)[:-1]
+    with pytest.raises(blocks.NotByBlocks):
+        blocks.extend([trace(2), trace(3), broken], [2, 3, 4], 9)
