@@ -11,12 +11,18 @@ and a+2), and writes the allocation trace of N from them:
    finds them by walking both traces (events compared by kind, bytes, device and category);
 2. around each place the unit repeats: a region of M copies. Every event is then either in a
    region (which copy, where in it) or fixed. Each free, resize or relabel refers to a storage
-   allocated earlier; `learn` finds, for each such event, the rule that names its storage in
-   every probe: a fixed storage, or a copy counted from the region's start or end, or from the
-   event's own copy, the same way round or mirrored (backward frees the last block's first);
+   allocated earlier; `learn` finds, for each such event of the two smaller probes, the rule
+   that names its storage in both: a fixed storage, or a copy counted from the region's start or end, or
+   from the event's own copy, the same way round or mirrored (backward frees the last block's
+   first);
 3. `synthesise` writes the trace with any number of copies per region from those rules. It is
-   checked first on the largest probe, written from the two smaller ones: if that is not the
-   probe's own trace, event for event, the estimate runs the whole model instead.
+   checked first on the largest probe, which the rules were not learned from: if that is not
+   the probe's own trace, event for event, the estimate runs the whole model instead.
+
+What no probe shows, the check cannot: a setting that changes a block only beyond the fifth
+period (an index list or a threshold, as Qwen3-MoE's `mlp_only_layers` or DeepSeek's
+`first_k_dense_replace`) would be missed, so only the architectures the tests check by blocks
+(ARCHITECTURES_BY_BLOCKS) are estimated so; every other runs whole.
 
 The trace of N is then replayed through the caching allocator as a whole run's is: the same
 bytes, the same segments. What is not written here comes from the probes: the parameter count
@@ -31,7 +37,11 @@ CREATION, TRAINING = ("creation",), ("training",)  # where creation's events sta
 # the probes' periods of blocks, tried in turn: the first block is unlike the others, and under
 # FSDP the last too (it gathers no next block's weights ahead), so a sharded model repeats from 3
 PROBES = ((2, 3, 4), (3, 4, 5))
-FEWEST_PERIODS = 8  # a model with fewer periods runs whole: the probes would save little
+SHARDED_PROBES = ((3, 4, 5),)
+FEWEST_PERIODS = 12  # a model with fewer periods runs whole: the probes would save little
+# the model types tests/estimate/test_blocks.py checks by blocks against the whole run
+ARCHITECTURES_BY_BLOCKS = {"bert", "roberta", "distilbert", "deberta-v2", "modernbert", "gpt2",
+                           "llama", "mistral", "qwen2", "bloom", "vit"}
 
 
 class NotByBlocks(Exception):
@@ -59,6 +69,8 @@ def period_of(config):
 def cut_for_probe(config, periods_kept):
     """(periods of the whole model, blocks of the whole model, `config` cut to `periods_kept`
     periods and what is left over), or NotByBlocks where the model is too short to gain."""
+    if config.model_type not in ARCHITECTURES_BY_BLOCKS:
+        raise NotByBlocks(f"{config.model_type} is not among the architectures checked by blocks")
     count = getattr(config, "num_hidden_layers", None)
     if not isinstance(count, int) or count < 1:
         raise NotByBlocks("the model's config has no num_hidden_layers")
@@ -323,19 +335,24 @@ def renumbered(events):
 
 def extend(traces, periods, total):
     """The events of `total` periods from `traces` of `periods` (three consecutive counts), or
-    NotByBlocks. The rules hold in both larger probes, and the largest is written from the
-    middle one as a check: event for event."""
+    NotByBlocks. The two smaller probes give the rules (each region has a copy more in the
+    middle one), and the largest, written from them, is the check: event for event."""
     shapes = [signatures(events) for events in traces]
-    middle = regions(shapes[1], insertions(shapes[0], shapes[1]))
+    places = insertions(shapes[0], shapes[1])
+    middle = regions(shapes[1], places)
     largest = regions(shapes[2], insertions(shapes[1], shapes[2]))
     if [(copies + 1, length) for _, copies, length in middle] != [
             (copies, length) for _, copies, length in largest]:
         raise NotByBlocks("the regions do not grow by one copy per period")
-    probes = [Probe(traces[1], periods[1], middle), Probe(traces[2], periods[2], largest)]
-    rules = learn(probes)
-    if synthesise(probes[0], rules, periods[2]) != renumbered(traces[2]):
+    # the smallest probe's regions: the middle one's, one copy fewer, before the units inserted
+    shifts = [sum(length for _, length in places[:number]) for number in range(len(places))]
+    smallest = [(start - shift, copies - 1, length)
+                for (start, copies, length), shift in zip(middle, shifts)]
+    template = Probe(traces[1], periods[1], middle)
+    rules = learn([Probe(traces[0], periods[0], smallest), template])  # the largest: the check
+    if synthesise(template, rules, periods[2]) != renumbered(traces[2]):
         raise NotByBlocks("the largest probe is not what the smaller ones predict")
-    return synthesise(probes[0], rules, total)
+    return synthesise(template, rules, total)
 
 
 def linear(values, periods, total):
@@ -352,13 +369,14 @@ def marked(run):
     return [*events[:start], CREATION, *events[start:stop], TRAINING, *events[stop:]]
 
 
-def run_by_blocks(script_path, argv, world_size, gpu, any_batch_size):
+def run_by_blocks(script_path, argv, world_size, gpu, any_batch_size, sharded=False):
     """A FakeRun of the whole model, written from runs of the model cut to a few periods of its
     blocks (its trace, creation's part of it and the parameter counts); NotByBlocks where the
-    model does not repeat so, or is too short to gain."""
+    model does not repeat so, or is too short to gain. `sharded`: the script shards the model
+    (FSDP), whose probes start at 3 periods."""
     from estimate.fake_run import run_on_fake_tensors
     runs, failed = {}, None
-    for periods in PROBES:
+    for periods in SHARDED_PROBES if sharded else PROBES:
         for count in periods:
             if count not in runs:
                 runs[count] = run_on_fake_tensors(script_path, argv, world_size, gpu,

@@ -21,6 +21,7 @@ from estimate.gpu_choices import DEFAULT_GPU, GPUS, HOST_CATEGORIES_WHEN_OFFLOAD
 from estimate.records import read_estimate, save_records, size_text
 from estimate.snapshot import Recorder
 from estimate.snapshot import write as write_snapshot
+from steps import step_of
 
 EXACT_VARIABLE = "ESTIMATE_EXACT"  # 1: every estimate runs whole (python -m estimate --exact)
 
@@ -52,12 +53,15 @@ def predict(script_path, argv, world_size=1, gpu=DEFAULT_GPU, any_batch_size=Fal
     run, exact = None, exact or os.environ.get(EXACT_VARIABLE) == "1"
     if wants_cuda_emulation(argv) and not (exact or snapshot):
         try:  # from runs of a few periods of the model's blocks (blocks.py), where they repeat
-            run = run_by_blocks(script_path, argv, world_size, gpu, any_batch_size)
+            run = run_by_blocks(script_path, argv, world_size, gpu, any_batch_size,
+                                sharded=shards(script_path))
         except Exception:  # noqa: BLE001 - NotByBlocks, or a probe's failure: run it whole
+            if os.environ.get("ESTIMATE_TRACEBACK"):
+                traceback.print_exc()
             run = None
     if run is None:
         run = run_on_fake_tensors(script_path, argv, world_size, gpu, any_batch_size,
-                                  every_micro_batch=exact)
+                                  every_micro_batch=exact or bool(snapshot))  # (the whole step)
     if run.emulate_cuda:
         host = HOST_CATEGORIES_WHEN_OFFLOADED if run.offloaded else frozenset()
         recorder = Recorder() if snapshot else None
@@ -92,6 +96,15 @@ def predict(script_path, argv, world_size=1, gpu=DEFAULT_GPU, any_batch_size=Fal
             "compiled": run.compiled,
             # [blocks of the model, [blocks of each probe]] where probes stood for it (blocks.py)
             "blocks": run.blocks and [run.blocks[0], run.blocks[1]]}
+
+
+def shards(script_path):
+    """Whether steps.py's entry for the script shards the model (a copy of a script, under
+    another name, has none: False)."""
+    try:
+        return step_of(script_path).sharded
+    except KeyError:
+        return False
 
 
 def failure_message(error, script, argv=()):

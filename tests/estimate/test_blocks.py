@@ -93,8 +93,8 @@ def test_a_model_too_short_to_gain_runs_whole(tmp_path):
 
 
 def test_a_trace_the_rules_do_not_write_is_refused():
-    """The check that makes a wrong extension impossible: the largest probe must be what the
-    smaller ones predict, event for event; here its last block frees one storage too few."""
+    """The check: the largest probe, which the rules are not learned from, must be what they
+    write, event for event; here its last block frees one storage too few."""
     def trace(count):  # creation, a forward of `count` blocks, their backward in reverse
         events, number = [("alloc", 0, 8, "cpu", "Parameter")], 1
         for _ in range(count):

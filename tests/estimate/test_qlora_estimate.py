@@ -12,7 +12,7 @@ from bitsandbytes import functional
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
 from common.memory import FrozenWeightsMemTracker, quantization_tensors
-from conftest import QUICK, TEXT, load_script, run_script, script_path
+from conftest import QUICK, TEXT, load_script, run_script, script_path, unevaluated
 from estimate.fake_4bit import fused_on_gpu, stand_ins
 from estimate.fake_tensor_patches import swappable_fake_parameters
 from estimate.gpu_choices import GPUS
@@ -24,9 +24,9 @@ NO_EMULATION = ["--device", "cpu"]
 SHAPES = [(128, 128), (257, 40), (3, 5)]
 
 
-@pytest.mark.parametrize("preset", [[], TEXT], ids=["tiny", "tiny-text"])
+@pytest.mark.parametrize("preset", [[], [*TEXT, "--batch-size", "8"]], ids=["tiny", "tiny-text"])
 def test_the_cpu_estimate_of_07b_equals_its_run_to_the_byte(preset, small_snippets, tmp_path):
-    real, _ = run_script("07b", [*preset, *QUICK], tmp_path)
+    real, _ = run_script("07b", [*preset, *QUICK], tmp_path, unevaluated("07b"))
     predicted = predict(script_path("07b"), [*preset, *NO_EMULATION])
     assert predicted["allocated_bytes"] == real["peak_memory_bytes"]
     assert predicted["breakdown_bytes"] == real["breakdown_bytes"]
