@@ -324,14 +324,18 @@ def run_on_fake_tensors(script_path, argv, world_size=1, gpu=gpu_choices.DEFAULT
     """
     emulate_cuda = wants_cuda_emulation(argv)
     # what lives now is frozen for the run: the collection that measure_creation starts with
-    # then scans only what the run makes (a third of a second less each run); thawed at its end
-    gc.collect()
-    gc.freeze()
+    # then scans only what the run makes (a third of a second less each run); thawed at its end.
+    # Where something froze it already (the workers' pool, a test), it is left as it is
+    thaw = gc.get_freeze_count() == 0
+    if thaw:
+        gc.collect()
+        gc.freeze()
     try:
         return fake_run(script_path, argv, world_size, gpu, any_batch_size, every_micro_batch,
                         probe, emulate_cuda)
     finally:
-        gc.unfreeze()
+        if thaw:
+            gc.unfreeze()
 
 
 def fake_run(script_path, argv, world_size, gpu, any_batch_size, every_micro_batch, probe,

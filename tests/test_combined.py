@@ -19,7 +19,7 @@ import common.memory
 import common.presets
 from common.memory import is_compiled
 from common.model import offloads_to_host, transformer_blocks
-from conftest import QUICK, TEXT, assert_follows, load_script, run_script, script_path
+from conftest import QUICK, TEXT, assert_follows, load_script, run_script, script_path, unevaluated
 from steps import STEPS
 
 STEP_OF_TAG = {tag: step for step, tag in TAGS.items()}
@@ -201,12 +201,6 @@ def smallest_shapes_one_thread_and_each_data_set_read_once():
     torch.set_num_threads(threads)
 
 
-def quick(module):
-    """The module with evaluation left out (it is not what the comparison is about)."""
-    module.evaluate = lambda *args, **kwargs: float("nan")
-    return module
-
-
 def created_as_06(script):
     """The script with 06's creation, as the combined script always creates: a decoder created in
     bfloat16 keeps its rotary frequencies (float32 buffers) in float32, which the script's
@@ -232,7 +226,7 @@ def test_each_scripts_switches_train_as_the_script(name, tmp_path, small_snippet
                                                    combined_runs):
     step = STEPS[name]
     flags = [*QUICK, "--batch-size", "8", *(CAUSAL_LM if step.task else [])]  # micro-batches of 2
-    script = quick(load_script(name))
+    script = unevaluated(name)
     if step.task:
         created_as_06(script)
     expected, _ = run_script(name, flags, tmp_path / "script", script)
@@ -241,7 +235,7 @@ def test_each_scripts_switches_train_as_the_script(name, tmp_path, small_snippet
     command = (*flags, *step.switches, "sharded" if step.sharded else "")
     if command not in combined_runs:
         combined_runs[command], _ = run_script(COMBINED, [*flags, *step.switches],
-                                               tmp_path / "combined", quick(load_script(COMBINED)))
+                                               tmp_path / "combined", unevaluated(COMBINED))
     actual = combined_runs[command]
     assert actual["peak_memory_bytes"] == expected["peak_memory_bytes"]
     assert actual["breakdown_bytes"] == expected["breakdown_bytes"]
@@ -496,7 +490,7 @@ ESTIMATED = {"chunked+offloaded+adamw-8bit+in-backward+on-host": [
 def test_the_estimate_on_the_cpu_is_the_runs_peak(flags, tmp_path, small_snippets):
     from estimate.predict import predict
     flags = [*flags, "--batch-size", "8"]
-    real, _ = run_script(COMBINED, [*QUICK, *flags], tmp_path, quick(load_script(COMBINED)))
+    real, _ = run_script(COMBINED, [*QUICK, *flags], tmp_path, unevaluated(COMBINED))
     predicted = predict(script_path(COMBINED), [*flags, "--device", "cpu"])
     assert predicted["allocated_bytes"] == real["peak_memory_bytes"]
     assert predicted["breakdown_bytes"] == real["breakdown_bytes"]
