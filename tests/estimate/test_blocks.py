@@ -33,7 +33,7 @@ def deeper(folder, name, blocks_count):
 
 @pytest.fixture
 def probes_from_three_periods(monkeypatch):
-    """Models of 5 periods and more are estimated by blocks (the default waits for 8)."""
+    """Models of 5 periods and more are estimated by blocks (the default waits for 12)."""
     monkeypatch.setattr(blocks, "FEWEST_PERIODS", 3)
 
 
@@ -87,7 +87,7 @@ def test_a_model_that_does_not_repeat_runs_whole(tmp_path, probes_from_three_per
 
 
 def test_a_model_too_short_to_gain_runs_whole(tmp_path):
-    folder = deeper(tmp_path / "llama", "Llama", BLOCKS)  # 6 periods, fewer than 8
+    folder = deeper(tmp_path / "llama", "Llama", BLOCKS)  # 6 periods, fewer than 12
     record = predict(script_path("04"), [*model_flags(folder, "Llama"), "--device", "cuda"])
     assert record["blocks"] is None
 
