@@ -13,7 +13,12 @@ For each script the search finds the largest micro-batch per GPU whose predicted
 Memory grows about linearly with the micro-batch, so two estimates give a line, the line gives a
 candidate, and estimates confirm it: the candidate fits and the next size does not (one sample
 more up to 32, then the next multiple of 8: the sizes GPUs prefer, and fewer estimates). The
-asked batch is estimated as it is (the table's row), so the answer also says whether it fits.
+asked batch is estimated as it is (the table's row), so the answer also says whether it fits,
+and it is the line's first point. The second is a guess near the answer (first_guess: the
+activations and temporaries at the asked row's peak, per sample, say how far the capacity is),
+not one sample: the line through two points near the boundary lands on it, so one estimate
+each side of it settles the answer, usually two estimates after the asked row. Every estimate
+is kept (cache.py): the stack's and a later run's searches reuse what was estimated before.
 """
 import re
 from concurrent.futures import as_completed
@@ -67,11 +72,13 @@ def micro_row(script, base_argv, world_size, micro, accumulates, gpu=DEFAULT_GPU
 
 
 def search(script, base_argv, world_size, capacity, accumulates, known=None, gpu=DEFAULT_GPU,
-           cap=MAX_MICRO_BATCH):
+           cap=MAX_MICRO_BATCH, per_sample=None):
     """The largest micro-batch per process of `script` whose predicted reserved memory is at
     most `capacity` bytes (to the granule: one sample up to 32, then 8), confirmed on fake
     tensors: it fits, and the next size does not; or `cap` fits (the search stops there).
-    `known`: {micro-batch: (allocated, reserved)} already predicted (the asked batch's row)."""
+    `known`: {micro-batch: (allocated, reserved)} already predicted (the asked batch's row);
+    `per_sample`: the bytes a sample adds, as a known point's peak suggests (first_guess), so
+    the line's second point is near the answer rather than at one sample."""
     found = Fit(script.stem, accumulates, capacity=capacity, tried=dict(known or {}))
 
     def fits(micro):
@@ -84,35 +91,61 @@ def search(script, base_argv, world_size, capacity, accumulates, known=None, gpu
         return found.tried[micro][1] <= capacity
 
     try:
-        if not fits(1):
-            return found  # not even one sample
-        low = max(size for size, (_, nbytes) in found.tried.items() if nbytes <= capacity)
-        high = min((size for size, (_, nbytes) in found.tried.items() if nbytes > capacity),
-                   default=None)
+        guess = first_guess(found.tried, capacity, per_sample, cap)
+        fits(guess)
         width = None  # the bracket's width before the last estimate
-        while not settled(low, high, cap):
+        while True:
+            low = max((size for size, (_, nbytes) in found.tried.items() if nbytes <= capacity),
+                      default=None)
+            high = min((size for size, (_, nbytes) in found.tried.items() if nbytes > capacity),
+                       default=None)
+            if high == 1:
+                return found  # not even one sample
+            if low is not None and settled(low, high, cap):
+                break
             if len(found.tried) >= MAX_ESTIMATES:
                 found.problem = f"no answer within {MAX_ESTIMATES} estimates: {low} fits, {high} not"
                 break
+            floor = snap(low or 0)  # the answer is at least this (0: not yet known)
             candidate = snap(next_candidate(found.tried, capacity, low, high, cap))
-            if high is not None and (width is not None and high - low > width / 2
-                                     or not snap(low) < candidate < high):
-                candidate = snap((low + high) // 2)  # the line did not halve the bracket: bisect
-            if candidate <= snap(low):
-                candidate = snap(low) + granule(snap(low))  # the next size the answer can take
+            if high is not None and width is not None and high - (low or 0) > width / 2:
+                candidate = snap((floor + high) // 2)  # the line did not halve the bracket: bisect
+            if candidate <= floor:  # the line says the answer is known: the next size confirms it
+                candidate = floor + granule(floor)
             candidate = min(candidate, cap)
             if high is None and cap < MAX_MICRO_BATCH and cap not in found.tried:
                 candidate = cap  # a batch was asked for: whether it fits whole settles the most
-            width = None if high is None else high - low
-            if fits(candidate):
-                low = candidate
-            else:
-                high = candidate
+            width = None if high is None else high - (low or 0)
+            fits(candidate)
+        if low is None:
+            return found  # (no answer within MAX_ESTIMATES: the problem says so)
         found.capped = low >= cap or high is None
         found.largest = low if low >= cap else snap(low)  # the cap is an answer off the grid
     except RuntimeError as error:
         found.problem = str(error)
     return found
+
+
+def first_guess(tried, capacity, per_sample, cap=MAX_MICRO_BATCH):
+    """The first micro-batch to estimate: one sample when nothing is known or nothing says how
+    memory grows; else where a known point's reserved bytes plus `per_sample` bytes a sample
+    reach `capacity` (a guess: the line through it and the known point then corrects it)."""
+    if not tried or not per_sample or per_sample <= 0:
+        return 1
+    size, (_, reserved) = max(tried.items())
+    guess = snap(min(max(int(size + (capacity - reserved) / per_sample), 1), cap))
+    if guess == size:  # the known point is at the answer's granule: its neighbour settles it
+        guess = size + granule(size) if reserved <= capacity else max(snap(size - 1), 1)
+    return min(guess, cap)
+
+
+def bytes_per_sample(record, micro):
+    """What one more sample of the micro-batch adds to the peak, as a record suggests: the
+    activations and temporaries at its peak over its micro-batch (a guess: the peak may fall
+    where few of them are held, in the optimizer's step)."""
+    breakdown = record.get("breakdown_bytes") or {}
+    grows = breakdown.get("activations", 0) + breakdown.get("temporaries", 0)
+    return grows / micro if micro and grows else None
 
 
 def granule(size):
@@ -138,20 +171,30 @@ def settled(low, high, cap=MAX_MICRO_BATCH):
 
 
 def next_candidate(tried, capacity, low, high, cap=MAX_MICRO_BATCH):
-    """The micro-batch to estimate next, strictly between `low` (fits) and `high` (does not, or
-    None): where the line through the two tried sizes nearest the boundary reaches `capacity`,
-    by allocated bytes (exactly linear within a phase of the step) plus the allocator's
-    overhead seen at `low`. Memory that does not grow with the micro-batch sends it to the top."""
-    upper = high - 1 if high is not None else cap
-    below = sorted(size for size in tried if size <= low)
-    x0, x1 = (low, high) if high is not None else (below[-2:] if len(below) > 1 else (low, None))
+    """The micro-batch to estimate next, strictly between `low` (fits, or None: nothing tried
+    does) and `high` (does not, or None): where the line through the two tried sizes nearest the
+    boundary reaches `capacity`, by allocated bytes (exactly linear within a phase of the step)
+    plus the allocator's overhead seen at the nearest one. Memory that does not grow with the
+    micro-batch sends it to the top."""
+    lower, upper = (low or 0) + 1, high - 1 if high is not None else cap
+    below = sorted(size for size in tried if low is not None and size <= low)
+    above = sorted(size for size in tried if high is not None and size >= high)
+    if low is not None and high is not None:
+        x0, x1 = low, high
+    elif high is None:
+        x0, x1 = below[-2:] if len(below) > 1 else (low, None)
+    else:
+        x0, x1 = above[:2] if len(above) > 1 else (None, high)
+    if x0 is None:
+        return lower  # one size, too large: the smallest is next
     if x1 is None:
         return min(2 * low, upper)
     (a0, _), (a1, _) = tried[x0], tried[x1]
     slope = (a1 - a0) / (x1 - x0)
-    overhead = tried[low][1] - tried[low][0]  # reserved beyond allocated: segments, rounding
+    nearest = low if low is not None else high
+    overhead = tried[nearest][1] - tried[nearest][0]  # reserved beyond allocated: segments, rounding
     guess = int(x0 + (capacity - overhead - a0) / slope) if slope > 0 else upper
-    return min(max(guess, low + 1), upper)
+    return min(max(guess, lower), upper)
 
 
 FLAGS_SEARCHED = ("--batch-size", "--accum-steps")
@@ -177,7 +220,7 @@ def search_task(row, record, capacity, accumulates):
     as_searched = not accumulates or record["accum_steps"] > 1
     known = {micro: (record["allocated_bytes"], record["reserved_bytes"])} if as_searched else {}
     return (row.script, without_batch_flags(row.argv), row.world_size, capacity, accumulates,
-            known, row.gpu)
+            known, row.gpu, MAX_MICRO_BATCH, bytes_per_sample(record, micro) if known else None)
 
 
 def search_all(rows, outcomes, capacity, jobs, accumulates):

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from common.memory import model_state_bytes_per_parameter
 from common.summary import model_state_words, run_words
+from estimate import cache
 from estimate.allocation_trace import replay
 from estimate.blocks import run_by_blocks
 from estimate.fake_run import (
@@ -131,8 +132,13 @@ def failure_message(error, script, argv=()):
 
 def attempt(row):
     """(record, None, seconds) or (None, message, seconds): the row's prediction or why it
-    failed, and the time it took; a failure never escapes, so other rows still run."""
+    failed, and the time it took (None: kept from an earlier estimate, cache.py); a failure
+    never escapes, so other rows still run."""
     start = time.perf_counter()
+    kept = cache.key(row, row.exact or os.environ.get(EXACT_VARIABLE) == "1")
+    record = kept and cache.load(kept)
+    if record:
+        return record, None, None
     try:
         record = predict(row.script, row.argv, row.world_size, row.gpu, row.any_batch_size,
                          row.snapshot, row.exact)
@@ -140,7 +146,14 @@ def attempt(row):
         if os.environ.get("ESTIMATE_TRACEBACK"):
             traceback.print_exc()
         return None, failure_message(error, row.script, row.argv), time.perf_counter() - start
+    if kept:
+        cache.keep(kept, record)
     return record, None, time.perf_counter() - start
+
+
+def took_text(seconds):
+    """How long an estimate took, in words (attempt's None: it was kept from an earlier one)."""
+    return "kept from an earlier estimate" if seconds is None else f"{seconds:.1f} s"
 
 
 def summary(record):
@@ -205,7 +218,7 @@ def estimate(script, argv):
     if asked.memory_snapshot:
         print(f"memory snapshot        {asked.memory_snapshot} (open it at "
               f"https://pytorch.org/memory_viz) and its picture {asked.memory_snapshot}.png")
-    print(f"record                 {save_records(asked.results_dir, [record])}  ({seconds:.1f} s)")
+    print(f"record                 {save_records(asked.results_dir, [record])}  ({took_text(seconds)})")
     return record
 
 

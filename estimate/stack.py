@@ -17,8 +17,8 @@ apart, with the activation switches of the answer.
 from dataclasses import dataclass, field
 from functools import partial
 
-from estimate.fit import Fit, accumulation_for, micro_row, search
-from estimate.predict import attempt
+from estimate.fit import Fit, accumulation_for, bytes_per_sample, micro_row, search
+from estimate.predict import attempt, took_text
 from estimate.records import size_text
 from estimate.workers import in_order
 
@@ -205,13 +205,14 @@ def walk(script, base_argv, batch_size, world_size, capacity, task, gpu, report=
         answer.tried.append((link, switches, notes, reserved if record else problem))
         report(f"[stack] {link.name}: " + (f"{size_text(reserved)} reserved at micro-batch "
                                             f"{micro}" if record else f"failed: {problem}")
-               + f" ({took:.1f} s)")
+               + f" ({took_text(took)})")
         if record is None or reserved > capacity or batch_size % world:
             continue
         outcomes.close()  # the later prefixes are not needed: their estimates stop
         answer.link, answer.switches, answer.world_size = link, switches, world
         answer.search = (script, argv, world, capacity, accumulates,
-                         {micro: (record["allocated_bytes"], reserved)}, gpu, batch_size // world)
+                         {micro: (record["allocated_bytes"], reserved)}, gpu, batch_size // world,
+                         bytes_per_sample(record, micro))
         if searched:
             answer.fit = settle(("search", answer.search), batch_size)
         return answer
@@ -235,12 +236,13 @@ def settle(task, batch_size):
     script, argv, capacity, gpu, label = arguments
     record, problem, seconds = attempt(micro_row(script, argv, 1, 1, True, gpu))
     print(f"[stack] {label}: "
-          + (size_text(record["reserved_bytes"]) if record else "failed") + f" ({seconds:.1f} s)",
+          + (size_text(record["reserved_bytes"]) if record else "failed") + f" ({took_text(seconds)})",
           flush=True)
     if record is None:
         return problem
     known = {1: (record["allocated_bytes"], record["reserved_bytes"])}
-    fit = (search(script, argv, 1, capacity, True, known, gpu, batch_size)
+    fit = (search(script, argv, 1, capacity, True, known, gpu, batch_size,
+                  bytes_per_sample(record, 1))
            if record["reserved_bytes"] <= capacity else Fit(script.stem, True, tried=known))
     fit.batch_size, fit.world_size, fit.capacity = batch_size, 1, capacity
     return fit

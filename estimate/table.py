@@ -11,7 +11,7 @@ from common.cli import add_shared_flags, parse_args, positive_int, unwritable
 from common.presets import PRESETS
 from estimate.fit import fit_table, parse_size, search_all, without_batch_flags
 from estimate.gpu_choices import DEFAULT_GPU, GPUS, gpu_problem
-from estimate.predict import EXACT_VARIABLE, Row, attempt
+from estimate.predict import EXACT_VARIABLE, Row, attempt, took_text
 from estimate.published import STUDY_RESERVED_GB
 from estimate.records import (
     GB,
@@ -91,7 +91,7 @@ def expected_work(row):
 def report_progress(done, row, outcome, total):
     record, problem, seconds = outcome
     state = f"{size_text(record['allocated_bytes'])} allocated" if record else "failed"
-    print(f"[{done + 1}/{total}] {row.label}: {state} ({seconds:.1f} s)", flush=True)
+    print(f"[{done + 1}/{total}] {row.label}: {state} ({took_text(seconds)})", flush=True)
     return outcome
 
 

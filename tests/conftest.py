@@ -15,6 +15,10 @@ sys.path.insert(0, str(ROOT))
 
 from steps import STEPS, import_script  # noqa: E402 (needs the path above)
 
+# every estimate is computed (tests change what an estimate runs); tests/estimate/test_cache.py
+# turns the kept estimates on where it tests them
+os.environ["ESTIMATE_CACHE"] = "0"
+
 # Tests that check what a CPU run counts pin the CPU, also on a machine with CUDA; the tests
 # that only a GPU can answer are marked `requires_cuda` and skipped, with the reason, elsewhere.
 CPU = ["--device", "cpu"]

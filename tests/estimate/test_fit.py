@@ -129,3 +129,43 @@ def test_a_worker_that_dies_stops_the_work_with_what_to_do():
     from estimate.workers import in_order
     with pytest.raises(SystemExit, match="a worker process died .* after 0 of 2 estimates.*--jobs 1"):
         list(in_order(killed, [1, 2], 2, lambda: "after 0 of 2 estimates"))
+
+
+def two_phase(micro):
+    """A made-up step whose peak is the larger of two lines (the optimizer's step, flat, and
+    backward, steep), with a reserve rounded up to 2 MB segments: what real peaks look like."""
+    allocated = max(5_000_000 + 10_000 * micro, 1_000_000 + 700_000 * micro)
+    return allocated, -(-allocated // 2_000_000) * 2_000_000
+
+
+@pytest.mark.parametrize("capacity", [3_000_000, 9_000_000, 10_000_000, 23_000_000, 23_100_000,
+                                      60_000_000, 2_000_000_000])
+@pytest.mark.parametrize("hint", [None, 700_000, 200_000, 3_000_000])
+def test_the_search_finds_the_largest_that_fits_from_any_first_guess(capacity, hint, monkeypatch):
+    """Whatever the first guess (bytes_per_sample's, right or wrong, or none: one sample), the
+    answer is the largest size on the grid whose reserve fits, and the next does not."""
+    def step(row):
+        allocated, reserved = two_phase(int(row.argv[row.argv.index("--batch-size") + 1]) // 2)
+        return {"allocated_bytes": allocated, "reserved_bytes": reserved}, None, 0.0
+    monkeypatch.setattr("estimate.fit.attempt", step)
+    found = search(script_path("04"), [], 1, capacity, True, {8: two_phase(8)}, per_sample=hint)
+    grid = [size for size in range(1, 5000) if size < 32 or size % 8 == 0]
+    fitting = [size for size in grid if two_phase(size)[1] <= capacity]
+    assert found.problem is None
+    assert found.largest == (max(fitting) if fitting else None)
+    assert len(found.tried) <= (4 if hint == 700_000 else 8)  # the right slope: a line and its checks
+
+
+@pytest.mark.parametrize("hint, most", [(None, 4), (700_000, 3)])
+def test_a_good_first_guess_saves_an_estimate(hint, most, monkeypatch):
+    """The known point and a guess near the answer: the line through them lands on it, and one
+    confirmation settles it (one sample as the second point takes one estimate more)."""
+    def line(row):
+        micro = int(row.argv[row.argv.index("--batch-size") + 1]) // 2
+        return {"allocated_bytes": 1_000_000 + 700_000 * micro,
+                "reserved_bytes": 1_000_000 + 700_000 * micro}, None, 0.0
+    monkeypatch.setattr("estimate.fit.attempt", line)
+    capacity = 1_000_000 + 700_000 * 20 + 1
+    known = {8: (1_000_000 + 700_000 * 8,) * 2}
+    found = search(script_path("04"), [], 1, capacity, True, known, per_sample=hint)
+    assert found.largest == 20 and len(found.tried) == most
