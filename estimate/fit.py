@@ -25,7 +25,7 @@ from concurrent.futures import as_completed
 from dataclasses import dataclass, field
 
 from estimate.gpu_choices import DEFAULT_GPU
-from estimate.predict import Row, attempt
+from estimate.predict import Row, attempt, kept_record
 from estimate.records import GB, size_text
 from estimate.workers import worker_pool
 
@@ -90,9 +90,14 @@ def search(script, base_argv, world_size, capacity, accumulates, known=None, gpu
             found.tried[micro] = (record["allocated_bytes"], record["reserved_bytes"])
         return found.tried[micro][1] <= capacity
 
+    for micro in sizes_up_to(cap):  # what earlier estimates left (cache.py) costs nothing
+        kept = micro not in found.tried and kept_record(
+            micro_row(script, base_argv, world_size, micro, accumulates, gpu))
+        if kept:
+            found.tried[micro] = (kept["allocated_bytes"], kept["reserved_bytes"])
     try:
-        guess = first_guess(found.tried, capacity, per_sample, cap)
-        fits(guess)
+        if len(found.tried) < 2:  # a line needs two points
+            fits(first_guess(found.tried, capacity, per_sample, cap))
         width = None  # the bracket's width before the last estimate
         while True:
             low = max((size for size, (_, nbytes) in found.tried.items() if nbytes <= capacity),
@@ -146,6 +151,12 @@ def bytes_per_sample(record, micro):
     breakdown = record.get("breakdown_bytes") or {}
     grows = breakdown.get("activations", 0) + breakdown.get("temporaries", 0)
     return grows / micro if micro and grows else None
+
+
+def sizes_up_to(cap):
+    """Every size the answer can take, up to `cap` (and `cap`)."""
+    return sorted({*(size for size in range(1, min(cap, MAX_MICRO_BATCH) + 1)
+                     if size == snap(size)), cap})
 
 
 def granule(size):
