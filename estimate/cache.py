@@ -21,6 +21,9 @@ from common.packaged import cache_root
 VARIABLE = "ESTIMATE_CACHE"  # 0: every estimate computed afresh, none kept; or their folder
 ROOT = Path(__file__).resolve().parent.parent
 SOURCES = ("*.py", "common/*.py", "estimate/*.py")
+# what asks for estimates and tables them, but makes no record's bytes (predict() imports none)
+ASKERS = ("estimate/table.py", "estimate/fit.py", "estimate/stack.py", "estimate/workers.py",
+          "estimate/cache.py", "estimate/__main__.py")
 PACKAGES = ("torch", "transformers", "bitsandbytes", "torchao", "peft", "accelerate",
             "huggingface_hub", "safetensors", "tokenizers", "datasets")
 MODEL_FILES = ("*.json",)  # a --model folder's config (and tokenizer) files: not its weights
@@ -36,6 +39,8 @@ def code_digest():
     digest = hashlib.sha256()
     for pattern in SOURCES:
         for path in sorted(ROOT.glob(pattern)):
+            if str(path.relative_to(ROOT)) in ASKERS:
+                continue
             digest.update(str(path.relative_to(ROOT)).encode() + b"\0" + path.read_bytes())
     for name in PACKAGES:
         try:

@@ -58,6 +58,12 @@ class Fit:
     largest: int | None = None  # the largest micro-batch per GPU that fits (None: not even 1)
     capped: bool = False    # MAX_MICRO_BATCH fits: the largest may be larger
     tried: dict = field(default_factory=dict)  # micro-batch: (allocated, reserved) bytes
+    kept: int = 0           # of them, left by earlier runs' estimates (cache.py): not run here
+
+    @property
+    def estimates(self):
+        """The estimates this run made for the search (the asked row's among them)."""
+        return len(self.tried) - self.kept
     problem: str | None = None
 
 
@@ -95,6 +101,7 @@ def search(script, base_argv, world_size, capacity, accumulates, known=None, gpu
             micro_row(script, base_argv, world_size, micro, accumulates, gpu))
         if kept:
             found.tried[micro] = (kept["allocated_bytes"], kept["reserved_bytes"])
+            found.kept += 1
     try:
         if len(found.tried) < 2:  # a line needs two points
             fits(first_guess(found.tried, capacity, per_sample, cap))
@@ -108,7 +115,7 @@ def search(script, base_argv, world_size, capacity, accumulates, known=None, gpu
                 return found  # not even one sample
             if low is not None and settled(low, high, cap):
                 break
-            if len(found.tried) >= MAX_ESTIMATES:
+            if found.estimates >= MAX_ESTIMATES:
                 found.problem = f"no answer within {MAX_ESTIMATES} estimates: {low} fits, {high} not"
                 break
             floor = snap(low or 0)  # the answer is at least this (0: not yet known)
@@ -272,7 +279,8 @@ def report_search(done, fit, total):
     answer = ("search failed" if fit.problem and fit.largest is None else
               "not even 1 sample fits" if fit.largest is None else
               f"{fit.largest}{'+' if fit.capped else ''} samples per GPU fit")
-    print(f"[{done + 1}/{total}] {fit.script}: {answer} ({len(fit.tried)} estimates)", flush=True)
+    kept = f", {fit.kept} kept from earlier ones" if fit.kept else ""
+    print(f"[{done + 1}/{total}] {fit.script}: {answer} ({fit.estimates} estimates{kept})", flush=True)
     return fit
 
 
@@ -316,5 +324,5 @@ def fit_table(fits, size):
         fits_now = ("" if fit.asked_reserved is None else
                     "yes" if fit.asked_reserved <= fit.capacity else "no")
         lines.append(f"| {fit.script} | {asked} | {reserved} | {fits_now} | {fit_words(fit)} "
-                     f"| {len(fit.tried)} |")
+                     f"| {fit.estimates} |")
     return "\n".join(lines)

@@ -89,3 +89,14 @@ def test_the_table_asked_again_answers_from_kept_estimates_with_the_same_table(t
     assert rows and all(line.endswith("(kept from an earlier estimate)") for line in rows)
     table = [[line for line in done.stdout.splitlines() if line.startswith("|")] for done in (first, again)]
     assert table[0] == table[1] and len(table[0]) == len(rows) + 2  # a header, a rule, the rows
+
+
+def test_what_the_key_leaves_out_makes_no_records_bytes():
+    """The modules that only ask for estimates and table them are left out of the code's digest
+    (a change to the search keeps the estimates): predict() must not import them."""
+    program = "import json, sys, estimate.predict; print(json.dumps(sorted(sys.modules)))"
+    done = subprocess.run([sys.executable, "-c", program], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120)
+    loaded = set(json.loads(done.stdout))
+    left_out = {path.removesuffix(".py").replace("/", ".") for path in cache.ASKERS}
+    assert left_out - {"estimate.cache"} and not (left_out - {"estimate.cache"}) & loaded

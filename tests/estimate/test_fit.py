@@ -193,3 +193,4 @@ def test_a_search_asked_again_for_another_gpu_starts_from_the_sizes_estimated_be
         int(row.argv[row.argv.index("--batch-size") + 1]) // 2))
     again = search(script_path("04"), [], 1, 23_000_000, True, {8: two_phase(8)}, per_sample=200_000)
     assert again.largest == fresh.largest == 30 and len(estimated) < from_scratch
+    assert again.kept > 0 and again.estimates == 1 + len(estimated)  # the asked row, and the new
