@@ -25,7 +25,7 @@ from concurrent.futures import as_completed
 from dataclasses import dataclass, field
 
 from estimate.gpu_choices import DEFAULT_GPU
-from estimate.predict import Row, attempt, kept_record
+from estimate.predict import Row, attempt
 from estimate.records import GB, size_text
 from estimate.workers import worker_pool
 
@@ -58,12 +58,6 @@ class Fit:
     largest: int | None = None  # the largest micro-batch per GPU that fits (None: not even 1)
     capped: bool = False    # MAX_MICRO_BATCH fits: the largest may be larger
     tried: dict = field(default_factory=dict)  # micro-batch: (allocated, reserved) bytes
-    kept: int = 0           # of them, left by earlier runs' estimates (cache.py): not run here
-
-    @property
-    def estimates(self):
-        """The estimates this run made for the search (the asked row's among them)."""
-        return len(self.tried) - self.kept
     problem: str | None = None
 
 
@@ -96,15 +90,8 @@ def search(script, base_argv, world_size, capacity, accumulates, known=None, gpu
             found.tried[micro] = (record["allocated_bytes"], record["reserved_bytes"])
         return found.tried[micro][1] <= capacity
 
-    for micro in sizes_up_to(cap):  # what earlier estimates left (cache.py) costs nothing
-        kept = micro not in found.tried and kept_record(
-            micro_row(script, base_argv, world_size, micro, accumulates, gpu))
-        if kept:
-            found.tried[micro] = (kept["allocated_bytes"], kept["reserved_bytes"])
-            found.kept += 1
     try:
-        if len(found.tried) < 2:  # a line needs two points
-            fits(first_guess(found.tried, capacity, per_sample, cap))
+        fits(first_guess(found.tried, capacity, per_sample, cap))
         width = None  # the bracket's width before the last estimate
         while True:
             low = max((size for size, (_, nbytes) in found.tried.items() if nbytes <= capacity),
@@ -115,7 +102,7 @@ def search(script, base_argv, world_size, capacity, accumulates, known=None, gpu
                 return found  # not even one sample
             if low is not None and settled(low, high, cap):
                 break
-            if found.estimates >= MAX_ESTIMATES:
+            if len(found.tried) >= MAX_ESTIMATES:
                 found.problem = f"no answer within {MAX_ESTIMATES} estimates: {low} fits, {high} not"
                 break
             floor = snap(low or 0)  # the answer is at least this (0: not yet known)
@@ -158,12 +145,6 @@ def bytes_per_sample(record, micro):
     breakdown = record.get("breakdown_bytes") or {}
     grows = breakdown.get("activations", 0) + breakdown.get("temporaries", 0)
     return grows / micro if micro and grows else None
-
-
-def sizes_up_to(cap):
-    """Every size the answer can take, up to `cap` (and `cap`)."""
-    return sorted({*(size for size in range(1, min(cap, MAX_MICRO_BATCH) + 1)
-                     if size == snap(size)), cap})
 
 
 def granule(size):
@@ -279,8 +260,7 @@ def report_search(done, fit, total):
     answer = ("search failed" if fit.problem and fit.largest is None else
               "not even 1 sample fits" if fit.largest is None else
               f"{fit.largest}{'+' if fit.capped else ''} samples per GPU fit")
-    kept = f", {fit.kept} kept from earlier ones" if fit.kept else ""
-    print(f"[{done + 1}/{total}] {fit.script}: {answer} ({fit.estimates} estimates{kept})", flush=True)
+    print(f"[{done + 1}/{total}] {fit.script}: {answer} ({len(fit.tried)} estimates)", flush=True)
     return fit
 
 
@@ -324,5 +304,5 @@ def fit_table(fits, size):
         fits_now = ("" if fit.asked_reserved is None else
                     "yes" if fit.asked_reserved <= fit.capacity else "no")
         lines.append(f"| {fit.script} | {asked} | {reserved} | {fits_now} | {fit_words(fit)} "
-                     f"| {fit.estimates} |")
+                     f"| {len(fit.tried)} |")
     return "\n".join(lines)

@@ -151,12 +151,6 @@ def attempt(row):
     return record, None, time.perf_counter() - start
 
 
-def kept_record(row):
-    """The record an earlier estimate of `row` left (cache.py), or None; nothing is run."""
-    name = cache.key(row, row.exact or os.environ.get(EXACT_VARIABLE) == "1")
-    return name and cache.load(name)
-
-
 def took_text(seconds):
     """How long an estimate took, in words (attempt's None: it was kept from an earlier one)."""
     return "kept from an earlier estimate" if seconds is None else f"{seconds:.1f} s"

@@ -170,27 +170,3 @@ def test_a_good_first_guess_saves_an_estimate(hint, most, monkeypatch):
     found = search(script_path("04"), [], 1, capacity, True, known, per_sample=hint)
     assert found.largest == 20 and len(found.tried) == most
 
-
-def test_a_search_asked_again_for_another_gpu_starts_from_the_sizes_estimated_before(monkeypatch):
-    """The first search's estimates are kept (cache.py): the second, for a smaller GPU, reads
-    them for nothing and estimates fewer, with the same answer as a search from scratch."""
-    estimated, kept = [], {}
-
-    def step(row):
-        micro = int(row.argv[row.argv.index("--batch-size") + 1]) // 2
-        estimated.append(micro)
-        allocated, reserved = two_phase(micro)
-        kept[micro] = {"allocated_bytes": allocated, "reserved_bytes": reserved}
-        return kept[micro], None, 0.0
-    monkeypatch.setattr("estimate.fit.attempt", step)
-    monkeypatch.setattr("estimate.fit.kept_record", lambda row: None)
-    search(script_path("04"), [], 1, 60_000_000, True, {8: two_phase(8)}, per_sample=200_000)
-    estimated.clear()
-    fresh = search(script_path("04"), [], 1, 23_000_000, True, {8: two_phase(8)}, per_sample=200_000)
-    from_scratch = len(estimated)
-    estimated.clear()
-    monkeypatch.setattr("estimate.fit.kept_record", lambda row: kept.get(
-        int(row.argv[row.argv.index("--batch-size") + 1]) // 2))
-    again = search(script_path("04"), [], 1, 23_000_000, True, {8: two_phase(8)}, per_sample=200_000)
-    assert again.largest == fresh.largest == 30 and len(estimated) < from_scratch
-    assert again.kept > 0 and again.estimates == 1 + len(estimated)  # the asked row, and the new
