@@ -3,11 +3,12 @@ search and the stack (and a script's --estimate) share them, within a run and ac
 
 A record is kept under a key made of everything its bytes depend on: the row (script, flags,
 processes, GPU, --exact), the source of this repository's scripts and packages, the installed
-versions of the packages that run it, and the model's config files under --model. A change to
+versions of the packages that run it, the model's config files under --model, and the
+environment variables that choose PyTorch's kernels. A change to
 any of them is a new key, so a kept record is the one a new estimate would give. Failures are
 not kept. The records live in `estimates/` under the cache folder (MEMORY_TECHNIQUES_CACHE, else
-~/.cache/memory-techniques), one small file each; ESTIMATE_CACHE=0 turns this off, and
-ESTIMATE_CACHE=FOLDER keeps them in FOLDER instead.
+~/.cache/memory-techniques), one small file each; ESTIMATE_CACHE=0 (or false, no, off) turns
+this off, and ESTIMATE_CACHE=FOLDER keeps them in FOLDER instead.
 """
 import hashlib
 import json
@@ -27,10 +28,13 @@ ASKERS = ("estimate/table.py", "estimate/fit.py", "estimate/stack.py", "estimate
 PACKAGES = ("torch", "transformers", "bitsandbytes", "torchao", "peft", "accelerate",
             "huggingface_hub", "safetensors", "tokenizers", "datasets")
 MODEL_FILES = ("*.json",)  # a --model folder's config (and tokenizer) files: not its weights
+# what picks PyTorch's CPU kernels (and so a CPU estimate's temporaries) or the allocator's ways
+ENVIRONMENT = ("ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS", "PYTORCH_CUDA_ALLOC_CONF")
+OFF, ON = ("0", "false", "no", "off"), ("", "1", "true", "yes", "on")
 
 
 def enabled():
-    return os.environ.get(VARIABLE, "1") != "0"
+    return os.environ.get(VARIABLE, "1").strip().lower() not in OFF
 
 
 @lru_cache(maxsize=1)
@@ -79,20 +83,24 @@ def key(row, exact):
     """The name a row's record is kept under, or None if it is not to be kept."""
     if row.snapshot or not enabled():
         return None  # a memory snapshot is a file the run writes: it runs
-    model = model_digest(row.argv)
+    try:
+        model = model_digest(row.argv)
+        script = Path(row.script).resolve()
+        source = hashlib.sha256(script.read_bytes()).hexdigest()
+    except OSError:  # a file it cannot read: the estimate runs, and says what is wrong
+        return None
     if model is None:
         return None
-    script = Path(row.script).resolve()
-    asked = {"script": script.name, "source": hashlib.sha256(script.read_bytes()).hexdigest(),
-             "argv": list(map(str, row.argv)), "world_size": row.world_size, "gpu": row.gpu,
-             "any_batch_size": row.any_batch_size, "exact": bool(exact), "model": model,
-             "code": code_digest()}
+    asked = {"script": script.name, "source": source, "argv": list(map(str, row.argv)),
+             "world_size": row.world_size, "gpu": row.gpu, "any_batch_size": row.any_batch_size,
+             "exact": bool(exact), "model": model, "code": code_digest(),
+             "environment": {name: os.environ.get(name) for name in ENVIRONMENT}}
     return hashlib.sha256(json.dumps(asked, sort_keys=True).encode()).hexdigest()
 
 
 def folder():
-    chosen = os.environ.get(VARIABLE, "1")
-    return cache_root() / "estimates" if chosen in ("", "1") else Path(chosen).expanduser()
+    chosen = os.environ.get(VARIABLE, "1").strip()
+    return cache_root() / "estimates" if chosen.lower() in ON else Path(chosen).expanduser()
 
 
 def load(name):

@@ -72,8 +72,21 @@ def test_what_is_not_kept(kept, tmp_path, monkeypatch):
     monkeypatch.setattr(sys.modules["estimate.predict"], "predict", lambda *args: 1 / 0)
     row = Row(script_path("04"), ["--preset", "tiny"])
     assert attempt(row)[0] is None and not list(cache.folder().glob("*.json"))
-    monkeypatch.setenv(cache.VARIABLE, "0")
-    assert cache.key(row, False) is None
+    for off in ("0", "off", "False"):
+        monkeypatch.setenv(cache.VARIABLE, off)
+        assert cache.key(row, False) is None
+    monkeypatch.setenv(cache.VARIABLE, "1")
+    (tmp_path / "unreadable").mkdir()  # a --model "folder" whose config cannot be read
+    (tmp_path / "unreadable" / "config.json").mkdir()
+    assert cache.key(Row(script_path("04"), ["--model", str(tmp_path / "unreadable")]), False) is None
+
+
+def test_the_kernels_asked_of_pytorch_are_part_of_the_key(kept, monkeypatch):
+    row = Row(script_path("04"), ["--preset", "tiny", "--device", "cpu"])
+    monkeypatch.delenv("ATEN_CPU_CAPABILITY", raising=False)
+    before = cache.key(row, False)
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "default")
+    assert cache.key(row, False) != before
 
 
 def test_the_table_asked_again_answers_from_kept_estimates_with_the_same_table(tmp_path):
