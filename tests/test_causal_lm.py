@@ -1,10 +1,11 @@
-"""--task causal-lm: a decoder learns the next token of each text, on every script, and the
-chunked loss (05g) computes the same loss while holding less.
+"""--task causal-lm: a decoder learns the next token of each text, and the chunked loss (05g)
+computes the same loss while holding less.
 
-The preset's decoder (tiny-text under causal-lm: a small Llama drawn from scratch) trains on
-every script and branch that trains the task; the architecture matrix's decoders train on the
-branch that touches the output layer itself (05g) and on its parent. Each run's estimate
-(--device cpu) is its peak to the byte.
+Every script that trains the task trains the architecture matrix's grouped-query decoder on it,
+its estimate to the byte (tests/test_architectures.py); here the preset's own decoder (tiny-text
+under causal-lm: a small Llama drawn from scratch) learns in the README's command, and the
+matrix's decoders train on the branch that touches the output layer itself (05g) and on its
+parent.
 """
 import re
 
@@ -27,19 +28,13 @@ def assert_estimate_is_peak(step, flags, real):
     assert predicted["breakdown_bytes"] == real["breakdown_bytes"]
 
 
-@pytest.mark.parametrize("step", [step for step in STEPS if STEPS[step].trains("causal-lm")])
-def test_every_script_trains_a_decoder_on_next_tokens_and_its_estimate_is_that_runs_peak(
-        step, small_snippets, tmp_path):
-    flags = [*CAUSAL_LM, "--batch-size", "8"]  # 4 micro-batches of 2 where a script accumulates
-    real, _ = run_script(step, [*flags, *QUICK], tmp_path)
+def test_the_presets_decoder_learns_the_next_token(small_snippets, tmp_path):
+    """The README's `python 04_grad_accum.py --task causal-lm`, for two steps."""
+    real, _ = run_script("04", [*CAUSAL_LM, "--batch-size", "8", *QUICK], tmp_path)
     assert real["task"] == "causal-lm" and real["preset"] == "tiny-text"
     assert real["test_accuracy"] is None and real["test_tokens"] > 0
-    # the test loss after two steps is below the first step's loss, at the weights drawn anew
-    # (about ln 30,522 = 10.33 nats): the model learned, if only which tokens are common
+    # below the first step's loss at the weights drawn anew (about ln 30,522 = 10.33 nats)
     assert real["test_loss"] < real["losses"][0]
-    assert real["test_perplexity"] == pytest.approx(torch.tensor(real["test_loss"]).exp().item(),
-                                                    rel=1e-5)
-    assert_estimate_is_peak(step, flags, real)
 
 
 @pytest.mark.parametrize("name", DECODERS)

@@ -19,7 +19,6 @@ from conftest import (
     model_state_bytes,
     requires_cuda,
     run_script,
-    script_path,
     unevaluated,
 )
 from rounding import additions, assert_same_sum
@@ -91,6 +90,15 @@ def test_memory_figures_repeat_exactly_with_the_same_seed(quick_records, tmp_pat
     assert again["peak_memory_bytes"] == first["peak_memory_bytes"]
     assert again["breakdown_bytes"] == first["breakdown_bytes"]
     assert again["losses"] == first["losses"]
+
+
+SNIPPETS = [  # texts of different lengths, so that a batch of them holds padding
+    "A gorgeous, witty, seductive movie.",
+    "The plot is nothing but boilerplate cliches from start to finish, and the script assumes "
+    "that not only would subtlety be lost on the target audience, but that it's also too stupid "
+    "to realize that they've already seen this exact same movie a hundred times.",
+    "Dull.", "An uplifting, funny and deeply moving story about two unlikely friends.",
+]
 
 
 def batch(size=8, seed=0):
@@ -233,14 +241,30 @@ def assert_accumulation_adds_up_to_the_whole_batch(model, inputs, labels, accum_
         assert_same_sum(ours, theirs, terms.sizes.get(name, sample_sizes).max(), n, what=name)
 
 
+def padded_batch(preset):
+    """(inputs, labels): SNIPPETS tokenized by the text preset's tokenizer, padded to its length."""
+    from common.data import tokenizer_for
+    encoded = tokenizer_for(preset)(SNIPPETS, padding="max_length", truncation=True,
+                                    max_length=preset.max_length, return_tensors="pt")
+    inputs = {name: encoded[name] for name in ("input_ids", "attention_mask")}
+    assert len(set(inputs["attention_mask"].sum(dim=1).tolist())) == len(SNIPPETS)
+    return inputs, torch.tensor([1, 0, 0, 1])
+
+
 @pytest.mark.numerical
-def test_accumulated_gradient_equals_the_whole_batch_gradient():
+@pytest.mark.parametrize("preset_name", ["tiny", "tiny-text"])
+def test_accumulated_gradient_equals_the_whole_batch_gradient(preset_name):
+    """4 micro-batches: of 4 images each, or of one snippet each, of different lengths."""
     torch.manual_seed(0)
-    preset = PRESETS["tiny"]
+    preset = PRESETS[preset_name]
     model = create_model(preset)
-    patches = (preset.image_size // preset.config["patch_size"]) ** 2
-    inputs, labels = batch(16)
-    assert_accumulation_adds_up_to_the_whole_batch(model, inputs, labels, 4, tokens=patches + 1)
+    if preset.max_length:  # text: padded to the preset's length
+        inputs, labels = padded_batch(preset)
+        tokens = preset.max_length
+    else:
+        inputs, labels = batch(16)
+        tokens = (preset.image_size // preset.config["patch_size"]) ** 2 + 1  # patches, class token
+    assert_accumulation_adds_up_to_the_whole_batch(model, inputs, labels, 4, tokens=tokens)
 
 
 @pytest.mark.numerical
@@ -371,14 +395,23 @@ def test_more_processes_than_gpus_stop_with_a_message(local_rank, visible, restr
     assert said in str(stopped.value)
 
 
-def test_offline_with_nothing_cached_says_what_is_missing_and_how_to_get_it(tmp_path):
+@pytest.mark.parametrize("argv, missing, how", [
+    (["01_baseline.py", "--preset", "article", "--device", "cpu"],
+     "uoft-cs/cifar10 is not in this machine's Hugging Face cache", ["without HF_HUB_OFFLINE=1",
+                                                                      "--preset tiny"]),
+    (["03_bf16.py", "--model", "someone/no-such-model", "--estimate"],
+     "someone/no-such-model is not in this machine's Hugging Face cache", []),
+], ids=["a-preset's-data", "a-hub-model"])
+def test_offline_with_nothing_cached_says_what_is_missing_and_how_to_get_it(argv, missing, how,
+                                                                             tmp_path):
+    """A command line in a process of its own, offline, with an empty cache: one message, no
+    traceback."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "empty-cache")}
-    done = subprocess.run([sys.executable, str(script_path("01")), "--preset", "article",
-                           "--device", "cpu", "--results-dir", str(tmp_path)],
+    done = subprocess.run([sys.executable, *argv, "--results-dir", str(tmp_path)],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr[-2000:]
-    assert "uoft-cs/cifar10 is not in this machine's Hugging Face cache" in done.stderr
-    assert "without HF_HUB_OFFLINE=1" in done.stderr and "--preset tiny" in done.stderr
+    output = done.stdout + done.stderr
+    assert missing in output and all(words in output for words in how)
 
 
 def test_offline_model_not_cached_is_named(monkeypatch):

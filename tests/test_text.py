@@ -9,7 +9,7 @@ import shutil
 
 import pytest
 import torch
-from test_steps import assert_accumulation_adds_up_to_the_whole_batch
+from test_steps import SNIPPETS, padded_batch
 
 import common.data
 import common.packaged
@@ -21,15 +21,9 @@ from conftest import QUICK, SMALL_SNIPPET_SPLITS, TEXT, assert_follows, run_scri
 
 # the pretrained model as each way of creating it loads it: on the host in float32 (01), then
 # cast (04), on the device in bfloat16 (06), shard by shard from process 0's copy (07; 09 with
-# checkpointing and offload); every script trains on text in tests/test_causal_lm.py
+# checkpointing and offload); every script trains on text (a BERT classifying, a Llama on
+# next tokens) in tests/test_architectures.py
 LOADING_STEPS = ["01", "04", "06", "07", "09"]
-SNIPPETS = [  # of different lengths, so that a batch of them holds padding
-    "A gorgeous, witty, seductive movie.",
-    "The plot is nothing but boilerplate cliches from start to finish, and the script assumes "
-    "that not only would subtlety be lost on the target audience, but that it's also too stupid "
-    "to realize that they've already seen this exact same movie a hundred times.",
-    "Dull.", "An uplifting, funny and deeply moving story about two unlikely friends.",
-]
 
 
 @pytest.mark.timeout(300)
@@ -61,25 +55,6 @@ def test_bf16_true_casts_images_but_not_token_ids():
     moved = common.data.to_device({"input_ids": torch.ones(2, 3, dtype=torch.int64),
                                    "pixel_values": torch.ones(2, 3)}, "cpu", torch.bfloat16)
     assert moved["input_ids"].dtype == torch.int64 and moved["pixel_values"].dtype == torch.bfloat16
-
-
-def padded_batch(preset):
-    encoded = tokenizer_for(preset)(SNIPPETS, padding="max_length", truncation=True,
-                                    max_length=preset.max_length, return_tensors="pt")
-    inputs = {name: encoded[name] for name in ("input_ids", "attention_mask")}
-    assert len(set(inputs["attention_mask"].sum(dim=1).tolist())) == len(SNIPPETS)
-    return inputs, torch.tensor([1, 0, 0, 1])
-
-
-@pytest.mark.numerical
-def test_accumulated_gradient_equals_the_whole_batch_gradient_on_padded_text():
-    """4 micro-batches of one snippet each, of different lengths."""
-    preset = PRESETS["tiny-text"]
-    torch.manual_seed(0)
-    model = create_model(preset)
-    inputs, labels = padded_batch(preset)
-    assert_accumulation_adds_up_to_the_whole_batch(model, inputs, labels, 4,
-                                                   tokens=preset.max_length)
 
 
 @pytest.mark.numerical
