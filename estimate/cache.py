@@ -3,7 +3,8 @@ search and the stack (and a script's --estimate) share them, within a run and ac
 
 A record is kept under a key made of everything its bytes depend on: the row (script, flags,
 processes, GPU, --exact), the source of this repository's scripts and packages, the installed
-versions of the packages that run it, the model's config files under --model, and the
+versions of the packages that run it (and, for one installed in editable mode, its files' sizes
+and times of change), the model's config files under --model, and the
 environment variables that choose PyTorch's kernels. A change to
 any of them is a new key, so a kept record is the one a new estimate would give. Failures are
 not kept. The records live in `estimates/` under the cache folder (MEMORY_TECHNIQUES_CACHE, else
@@ -51,7 +52,29 @@ def code_digest():
             version = metadata.version(name)
         except metadata.PackageNotFoundError:
             version = "-"
-        digest.update(f"{name}={version}\0".encode())
+        digest.update(f"{name}={version}\0{editable_sources(name)}\0".encode())
+    return digest.hexdigest()
+
+
+def editable_sources(name):
+    """For a package installed in editable mode (pip install -e), whose source can change under
+    one version: the size and time of change of each of its Python files. "" otherwise."""
+    try:
+        direct_url = json.loads(metadata.distribution(name).read_text("direct_url.json") or "{}")
+    except (metadata.PackageNotFoundError, ValueError):
+        return ""
+    if not direct_url.get("dir_info", {}).get("editable") or not direct_url.get(
+            "url", "").startswith("file://"):
+        return ""
+    from urllib.parse import unquote, urlparse
+    source = Path(unquote(urlparse(direct_url["url"]).path))
+    digest = hashlib.sha256()
+    for path in sorted(source.rglob("*.py")):
+        try:
+            stat = path.stat()
+        except OSError:
+            continue
+        digest.update(f"{path}\0{stat.st_size}\0{stat.st_mtime_ns}\0".encode())
     return digest.hexdigest()
 
 

@@ -113,3 +113,27 @@ def test_what_the_key_leaves_out_makes_no_records_bytes():
     loaded = set(json.loads(done.stdout))
     left_out = {path.removesuffix(".py").replace("/", ".") for path in cache.ASKERS}
     assert left_out - {"estimate.cache"} and not (left_out - {"estimate.cache"}) & loaded
+
+
+def test_a_package_installed_in_editable_mode_enters_the_key_with_its_files(tmp_path, monkeypatch):
+    """pip install -e: an edit in place keeps the version, so the files' sizes and times count."""
+    source = tmp_path / "transformers-checkout"
+    (source / "src").mkdir(parents=True)
+    module = source / "src" / "modeling.py"
+    module.write_text("x = 1\n")
+
+    class Editable:
+        def read_text(self, name):
+            return json.dumps({"url": source.as_uri(), "dir_info": {"editable": True}})
+
+    monkeypatch.setattr(cache.metadata, "distribution", lambda name: Editable())
+    first = cache.editable_sources("transformers")
+    assert first and cache.editable_sources("transformers") == first
+    module.write_text("x = 22\n")  # edited in place, the version unchanged
+    assert cache.editable_sources("transformers") != first
+
+    class Installed:
+        def read_text(self, name):
+            return None  # a wheel's install has no direct_url.json
+    monkeypatch.setattr(cache.metadata, "distribution", lambda name: Installed())
+    assert cache.editable_sources("transformers") == ""
