@@ -79,6 +79,23 @@ def run_script(name, args, results_dir, module=None):
     return record, captured.meter
 
 
+# fixtures that train (or estimate) once and are shared by the tests that only read what they made
+SHARED_ACROSS_MODULES = {"quick_runs", "quick_records", "runs", "trained", "compiled"}
+SHARED_IN_A_MODULE = {"probed_runs", "unsharded", "estimated_once", "every_prefix", "between",
+                      "predicted"}
+
+
+def pytest_collection_modifyitems(items):
+    """Two worker processes (pytest.ini: --dist loadgroup) would each make a shared fixture once:
+    the tests that read one are sent to one worker, so that it is made once."""
+    for item in items:
+        names = set(item.fixturenames)
+        if names & SHARED_ACROSS_MODULES:
+            item.add_marker(pytest.mark.xdist_group("quick-runs"))
+        elif names & SHARED_IN_A_MODULE:
+            item.add_marker(pytest.mark.xdist_group(item.module.__name__))
+
+
 @pytest.fixture
 def small_snippets(monkeypatch):
     """tiny-text trains and evaluates on SMALL_SNIPPET_SPLITS in this test."""

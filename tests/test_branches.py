@@ -30,24 +30,38 @@ def test_every_numbered_script_is_registered_and_every_entry_has_its_script():
     assert on_disk == sorted(step.path for step in STEPS.values())
 
 
-def assert_trains_as(branch, parent, results_dir):
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """runs(name, flags, float32=False): the step's run, made once per module (per test worker)
+    and shared by the tests that only read it: (its record, its meter). float32: the script's
+    DTYPE made float32, so that runs that differ only in the order or timing of the work can be
+    compared closely."""
+    made = {}
+
+    def run(name, flags=QUICK, float32=False):
+        key = (name, tuple(flags), float32)
+        if key not in made:
+            module = load_script(name)
+            if float32:
+                module.DTYPE = torch.float32
+            made[key] = run_script(name, flags, tmp_path_factory.mktemp(name), module)
+        return made[key]
+    return run
+
+
+def assert_trains_as(branch, parent, runs):
     """`branch` and `parent` run in float32 (only the order or the timing of the work differs):
     the same losses and weights, within rounding."""
-    runs = {}
-    for name in (parent, branch):
-        module = load_script(name)
-        module.DTYPE = torch.float32
-        record, meter = run_script(name, QUICK, results_dir / name, module)
-        runs[name] = record["losses"], [param.detach() for param in meter.model.parameters()]
-    assert_follows(runs[branch][0], runs[parent][0])
-    for ours, theirs in zip(runs[branch][1], runs[parent][1], strict=True):
-        assert_follows(ours, theirs, what="parameters")
+    (ours, our_meter), (theirs, their_meter) = (runs(name, float32=True) for name in (branch, parent))
+    assert_follows(ours["losses"], theirs["losses"])
+    for mine, other in zip(our_meter.model.parameters(), their_meter.model.parameters(), strict=True):
+        assert_follows(mine.detach(), other.detach(), what="parameters")
 
 
 @pytest.mark.numerical
-def test_the_optimizer_in_backward_takes_03s_step(tmp_path):
+def test_the_optimizer_in_backward_takes_03s_step(runs):
     """One Adam per weight, stepped during backward, updates as one Adam after it."""
-    assert_trains_as("04a", "03", tmp_path)
+    assert_trains_as("04a", "03", runs)
 
 
 def test_the_optimizer_in_backward_holds_one_parameters_gradient_at_most(tmp_path, monkeypatch):
@@ -85,8 +99,11 @@ def optimizer_state_bytes(optimizer):
             for param, state in optimizer.state.items()}
 
 
-def test_8bit_adamw_keeps_two_bytes_per_weight_in_large_tensors(tmp_path):
-    _, meter = run_script("05a", QUICK, tmp_path)
+LEARNING = ["--epochs", "1", "--max-steps", "12"]  # enough steps for the loss to fall
+
+
+def test_8bit_adamw_keeps_two_bytes_per_weight_in_large_tensors(runs):
+    _, meter = runs("05a", LEARNING)
     sizes = optimizer_state_bytes(meter.optimizer)
     large = [param for param in sizes if param.numel() >= 4096]  # bitsandbytes' min_8bit_size
     assert large
@@ -95,8 +112,8 @@ def test_8bit_adamw_keeps_two_bytes_per_weight_in_large_tensors(tmp_path):
     assert sum(sizes[param] for param in large) / sum(param.numel() for param in large) < 2.1
 
 
-def test_adafactor_keeps_rows_plus_columns_for_a_matrix(tmp_path):
-    _, meter = run_script("05b", QUICK, tmp_path)
+def test_adafactor_keeps_rows_plus_columns_for_a_matrix(runs):
+    _, meter = runs("05b", LEARNING)
     for param, state in meter.optimizer.state.items():
         kept = sum(value.numel() for name, value in state.items() if name != "step")
         if param.dim() >= 2:  # the last two dimensions are factored, for each leading index
@@ -108,20 +125,20 @@ def test_adafactor_keeps_rows_plus_columns_for_a_matrix(tmp_path):
 
 
 @pytest.mark.parametrize("name", ["05a", "05b"])
-def test_a_few_steps_of_the_leaner_optimizers_lower_the_loss(name, tmp_path):
-    record, _ = run_script(name, ["--epochs", "1", "--max-steps", "12"], tmp_path)
+def test_a_few_steps_of_the_leaner_optimizers_lower_the_loss(name, runs):
+    record, _ = runs(name, LEARNING)
     losses = record["losses"]
     assert sum(losses[-4:]) / 4 < sum(losses[:4]) / 4 - 0.1, losses
 
 
 @pytest.mark.numerical
-def test_checkpointing_on_one_device_trains_as_04(tmp_path):
+def test_checkpointing_on_one_device_trains_as_04(runs):
     """Recomputing the blocks in backward changes when the work is done, not its result."""
-    assert_trains_as("05c", "04", tmp_path)
+    assert_trains_as("05c", "04", runs)
 
 
-def test_checkpointing_on_one_device_keeps_fewer_activations(quick_records, tmp_path):
-    record, _ = run_script("05c", QUICK, tmp_path)
+def test_checkpointing_on_one_device_keeps_fewer_activations(quick_records, runs):
+    record, _ = runs("05c")
     plain = quick_records["04"]
     assert record["breakdown_bytes"]["activations"] < 0.7 * plain["breakdown_bytes"]["activations"]
     assert record["peak_memory_bytes"] < plain["peak_memory_bytes"]
@@ -173,13 +190,13 @@ def test_selective_checkpointing_recomputes_the_score_matrices_of_attention_in_p
 
 
 @pytest.mark.numerical
-def test_selective_checkpointing_trains_as_05c(tmp_path):
+def test_selective_checkpointing_trains_as_05c(runs):
     """Reusing saved outputs instead of recomputing them changes no result."""
-    assert_trains_as("05d", "05c", tmp_path)
+    assert_trains_as("05d", "05c", runs)
 
 
-def test_selective_checkpointing_keeps_activations_between_04s_and_05cs(quick_records, tmp_path):
-    records = {name: run_script(name, QUICK, tmp_path / name)[0] for name in ("05c", "05d")}
+def test_selective_checkpointing_keeps_activations_between_04s_and_05cs(quick_records, runs):
+    records = {name: runs(name)[0] for name in ("05c", "05d")}
     activations = {name: record["breakdown_bytes"]["activations"] for name, record in
                    [*records.items(), ("04", quick_records["04"])]}
     assert activations["05c"] < activations["05d"] < activations["04"]
@@ -229,9 +246,9 @@ def test_the_updates_03_rounds_away_are_kept_on_average():
 
 
 @pytest.mark.numerical
-def test_activation_offloading_trains_as_05c(tmp_path):
+def test_activation_offloading_trains_as_05c(runs):
     """Moving the saved inputs to the host and back changes where they wait, not their values."""
-    assert_trains_as("05e", "05c", tmp_path)
+    assert_trains_as("05e", "05c", runs)
 
 
 def test_offloading_moves_each_blocks_input_to_the_host_and_frees_the_original(tmp_path):
@@ -269,9 +286,9 @@ def test_offloading_moves_each_blocks_input_to_the_host_and_frees_the_original(t
 
 
 @pytest.mark.numerical
-def test_adam_on_the_host_trains_as_04(tmp_path):
+def test_adam_on_the_host_trains_as_04(runs):
     """The same Adam, on a copy of the weights: the same losses and weights."""
-    assert_trains_as("05f", "04", tmp_path)
+    assert_trains_as("05f", "04", runs)
 
 
 def test_adam_on_the_host_leaves_no_optimizer_state_on_a_gpu():

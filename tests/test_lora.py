@@ -1,6 +1,8 @@
 """07a's claims: LoRA leaves the pretrained weights as they were and trains only its adapters and
 the classification head, which start from the pretrained model's function; their gradients and
 Adam's state are all the model state it adds to the frozen weights; its flags do what they say."""
+import contextlib
+import io
 import re
 
 import pytest
@@ -11,6 +13,21 @@ from conftest import QUICK, TEXT, load_script, run_script, unevaluated
 
 def adapters(model):
     return [module for module in model.modules() if type(module).__name__ == "LoRALinear"]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """07a and 07b on tiny, 12 steps each, unevaluated (the claims here are what trains, what it
+    holds at the peak of the first steps, and that the loss falls): {name: (record, meter, what
+    the run printed to stderr)}, shared by the tests that only read them."""
+    runs = {}
+    for name in ("07a", "07b"):
+        printed = io.StringIO()
+        with contextlib.redirect_stderr(printed):
+            record, meter = run_script(name, ["--epochs", "1", "--max-steps", "12"],
+                                       tmp_path_factory.mktemp(name), unevaluated(name))
+        runs[name] = record, meter, printed.getvalue()
+    return runs
 
 
 def test_lora_trains_the_adapters_and_the_head_and_nothing_else(small_snippets, tmp_path):
@@ -55,10 +72,10 @@ def test_adapters_start_from_the_pretrained_models_function():
     assert torch.allclose(adapted(inputs) - layer(inputs), update, rtol=0.05, atol=0.05)
 
 
-def test_loras_model_state_is_the_frozen_weights_and_the_adapters(quick_records, tmp_path):
+def test_loras_model_state_is_the_frozen_weights_and_the_adapters(quick_records, trained):
     """Against 06, which trains every weight: gradients and optimizer state only for the trainable
     parameters (bfloat16 gradients, Adam's two bfloat16 moments), and a lower peak."""
-    record, meter = run_script("07a", QUICK, tmp_path)
+    record, meter, _ = trained["07a"]
     breakdown, trainable = record["breakdown_bytes"], record["trainable_parameter_count"]
     steps = 4 * len(meter.optimizer.state)  # each tensor's step counter: a float32 number
     assert breakdown["gradients"] <= 2 * trainable
@@ -67,9 +84,8 @@ def test_loras_model_state_is_the_frozen_weights_and_the_adapters(quick_records,
     assert record["peak_memory_bytes"] < quick_records["06"]["peak_memory_bytes"]
 
 
-def test_lora_on_a_model_trained_from_scratch_says_what_it_shows(tmp_path, capsys):
-    run_script("07a", QUICK, tmp_path)
-    assert "LoRA's frozen weights are random" in capsys.readouterr().err
+def test_lora_on_a_model_trained_from_scratch_says_what_it_shows(trained):
+    assert "LoRA's frozen weights are random" in trained["07a"][2]
 
 
 def test_lora_targets_choose_the_adapted_layers(tmp_path, capsys):
@@ -100,27 +116,18 @@ def test_a_lora_rank_above_a_layers_width_stops_before_training_saying_what_to_u
     assert "fc1" in module.add_adapters(module.create_model(PRESETS["tiny"]), rank=128, alpha=16)
 
 
-def test_a_few_steps_of_lora_lower_the_loss(tmp_path):
-    record, _ = run_script("07a", ["--epochs", "1", "--max-steps", "12"], tmp_path,
-                           unevaluated("07a"))
-    losses = record["losses"]
-    assert sum(losses[-4:]) / 4 < sum(losses[:4]) / 4 - 0.1, losses
-
-
 def quantized_weights(model):
     """How many weights the model holds in 4 bits (07b)."""
     return sum(adapter.base.weight.quant_state.shape.numel() for adapter in adapters(model)
                if hasattr(adapter.base.weight, "quant_state"))
 
 
-def test_qlora_stores_the_adapted_layers_in_half_a_byte_per_weight(tmp_path):
+def test_qlora_stores_the_adapted_layers_in_half_a_byte_per_weight(trained):
     """07b's parameters take 1.5 bytes less per quantized weight than 07a's (2 bytes of bfloat16
     against 4 bits), plus the scales bitsandbytes keeps beside them (about 1/64 byte per weight);
     the rest alike; the same parameters, as many trained."""
     from common.memory import quantization_tensors
-    records = {}
-    for name in ("07a", "07b"):
-        records[name], meter = run_script(name, QUICK, tmp_path / name, unevaluated(name))
+    _, meter, _ = trained["07b"]
     quantized = quantized_weights(meter.model)
     assert quantized == sum(adapter.down.weight.shape[1] * adapter.up.weight.shape[0]
                             for adapter in adapters(meter.model))  # every adapted layer
@@ -128,7 +135,7 @@ def test_qlora_stores_the_adapted_layers_in_half_a_byte_per_weight(tmp_path):
               for adapter in adapters(meter.model)
               for tensor in quantization_tensors(adapter.base.weight)}
     assert quantized / 64 <= sum(scales.values()) < quantized / 16
-    lora, qlora = records["07a"], records["07b"]
+    lora, qlora = trained["07a"][0], trained["07b"][0]
     saved = lora["breakdown_bytes"]["parameters"] - qlora["breakdown_bytes"]["parameters"]
     assert saved == 1.5 * quantized - sum(scales.values())
     assert qlora["parameter_count"] == lora["parameter_count"]
@@ -155,8 +162,8 @@ def test_a_4_bit_weight_is_its_weight_to_within_nf4s_rounding():
     assert restored.shape == original.shape
 
 
-def test_a_few_steps_of_qlora_lower_the_loss(tmp_path):
-    record, _ = run_script("07b", ["--epochs", "1", "--max-steps", "12"], tmp_path,
-                           unevaluated("07b"))
-    losses = record["losses"]
+@pytest.mark.parametrize("name", ["07a", "07b"])
+def test_a_few_steps_of_lora_and_qlora_lower_the_loss(name, trained):
+    losses = trained[name][0]["losses"]
+    assert len(losses) == 12
     assert sum(losses[-4:]) / 4 < sum(losses[:4]) / 4 - 0.1, losses
