@@ -190,6 +190,10 @@ def tour_markdown(rows, tour=None):
     if shortened:
         parts.append(f"Quick run ({' '.join(shortened)}): training time and test "
                      "accuracy are not those of full training.\n")
+    if tour.get("side_by_side"):
+        parts.append("Single-process steps ran two at a time (a CPU tour without --publish): "
+                     "their training times include sharing the cores; `python -m tour "
+                     "--one-at-a-time` (or `--publish`) runs each alone.\n")
     launch = tour.get("sharded_launch")
     if isinstance(launch, dict) and launch.get("reason") and any(row.processes() for row in rows):
         parts.append(f"Sharded steps (07 on): {launch['reason']}.\n")

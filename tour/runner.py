@@ -11,9 +11,12 @@ Steps from 07 on shard across processes and run under torchrun: with 2 GPUs or m
 process per GPU (at most --nproc, and as many as the preset's batch splits over); with one GPU,
 one process on it for the GPU presets (article, imdb) and 2 CPU processes (gloo) for the CPU
 ones; with none, 2 CPU processes. The choice is printed and shown in the table.
-Each step's output streams as it runs. A step that fails (non-zero exit, or no JSON record) is
-shown as failed in the table with the end of its stderr, and the others still run; the command
-then exits with status 1.
+On a machine without a GPU the single-process steps run two at a time (each prints its output
+when it ends), which shortens the tour by the seconds each spends starting Python and importing;
+their training times then include sharing the cores, as the table says. --publish and
+--one-at-a-time run each step alone, with its output streaming as it runs. A step that fails
+(non-zero exit, or no JSON record) is shown as failed in the table with the end of its stderr,
+and the others still run; the command then exits with status 1.
 
 Everything is first written to a fresh directory inside --results-dir and moved in at the end, so
 an interrupted run leaves the previous results as they were, a table is never half-written, and a
@@ -29,6 +32,7 @@ import sys
 import tempfile
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -52,6 +56,8 @@ TRACEBACK_START = "Traceback (most recent call last):"
 RANK_PREFIX = re.compile(r"^\[rank\d+\]:\s?")     # what torchrun may put before a child's lines
 TORCHRUN_LOG_LINE = re.compile(r"^[EWIF]\d{4} ")   # torchrun's own log lines ("E1121 23:17:57 ...")
 ARGPARSE_ERROR = re.compile(r"^\S+: error: ")      # "01_baseline.py: error: argument --epochs: ..."
+RUNNING = set()  # the steps' processes running now (two side by side), ended together on Ctrl-C
+STOPPING = threading.Event()  # set on Ctrl-C: a step starting beside another is ended at once
 
 
 @dataclass
@@ -206,24 +212,38 @@ def kill_process_group(process):
         pass
 
 
-def run_command(command, results_dir, position, timeout=STEP_TIMEOUT):
-    """Run one Command with its output streaming through; returns its outcome for tour.json."""
-    print(f"\n{position} {command.name} ...", flush=True)
+def run_command(command, results_dir, position, timeout=STEP_TIMEOUT, beside=None):
+    """Run one Command with its output streaming through; returns its outcome for tour.json.
+    With `beside` (the name of a step running at the same time) its output is kept and printed
+    whole when it ends, so that two steps' lines do not interleave."""
+    if beside is None:
+        print(f"\n{position} {command.name} ...", flush=True)
     start = time.perf_counter()
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}  # its lines interleave with ours in order
+    if beside is not None:  # threads that wait for their turn sleep instead of spinning on the
+        env.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # cores the other step's threads need
     # its own process group, so that a hung step is ended with all its workers
     with subprocess.Popen(command.argv, cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True,
+                          stdout=None if beside is None else subprocess.PIPE,
                           errors="replace", start_new_session=True) as process:
+        RUNNING.add(process)
+        if STOPPING.is_set():  # Ctrl-C came while it started, beside another step
+            kill_process_group(process)
         watchdog = threading.Timer(timeout, kill_process_group, [process])
         watchdog.start()
         try:
-            stderr_lines = stream_stderr(process)
+            if beside is None:
+                stderr_lines, stdout = stream_stderr(process), ""
+            else:
+                stdout, stderr = process.communicate()
+                stderr_lines = stderr.splitlines()
             returncode = process.wait()
         except BaseException:  # Ctrl-C or an error here: leave no step running behind us
             kill_process_group(process)
             raise
         finally:
             watchdog.cancel()
+            RUNNING.discard(process)
     seconds = time.perf_counter() - start
     if command.written and (results_dir / command.written).is_file():
         os.replace(results_dir / command.written, results_dir / command.output)
@@ -238,12 +258,58 @@ def run_command(command, results_dir, position, timeout=STEP_TIMEOUT):
         error, error_lines = f"exit status 0 but {unreadable}", []
     else:
         error, error_lines = None, []
-    print(f"{position} {command.name} {'ok' if error is None else 'FAILED, ' + error} "
-          f"({seconds:.1f} s)", flush=True)
+    ended = (f"{position} {command.name} {'ok' if error is None else 'FAILED, ' + error} "
+             f"({seconds:.1f} s)")
+    if beside is not None:  # its whole output, then how it ended
+        print(f"\n{position} {command.name} (ran beside {beside}):", flush=True)
+        sys.stdout.write(stdout)
+        sys.stdout.flush()
+        sys.stderr.write("".join(f"{line}\n" for line in stderr_lines))
+        sys.stderr.flush()
+    print(ended, flush=True)
     return {"script": command.record_name, "switches": list(command.switches),
             "returncode": returncode,
             "wall_seconds": round(seconds, 1), "status": "ok" if error is None else "failed",
             "error": error, "error_lines": error_lines}
+
+
+def run_two_side_by_side(first, second, results_dir, positions, timeout):
+    """Two single-process steps at once, each on its own output; their outcomes in order."""
+    print(f"\n{positions[0]} {first.name} ... (beside {second.name})\n"
+          f"{positions[1]} {second.name} ... (beside {first.name})", flush=True)
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        futures = [pool.submit(run_command, command, results_dir, position, timeout, other.name)
+                   for command, position, other in ((first, positions[0], second),
+                                                    (second, positions[1], first))]
+        try:
+            return [future.result() for future in futures]
+        except BaseException:  # Ctrl-C here: end both steps, whose threads then return
+            STOPPING.set()
+            for process in list(RUNNING):
+                kill_process_group(process)
+            raise
+
+
+def runs_alone(command):
+    """True for what the tour never runs beside another step: the sharded steps (their
+    processes take every core) and the estimate (its own workers do)."""
+    return command.argv[1:3] == ["-m", "torch.distributed.run"] or command.name == "estimate"
+
+
+def run_commands(commands, results_dir, total, timeout, side_by_side):
+    """Run `commands` in order, numbered from 1 of `total`; with `side_by_side`, two
+    consecutive single-process steps at a time. Their outcomes, in order."""
+    outcomes, index = [], 0
+    while index < len(commands):
+        pair = commands[index:index + 2]
+        positions = [f"[{number}/{total}]" for number in range(index + 1, index + 3)]
+        if side_by_side and len(pair) == 2 and not any(runs_alone(command) for command in pair):
+            outcomes += run_two_side_by_side(*pair, results_dir, positions, timeout)
+            index += 2
+        else:
+            outcomes.append(run_command(commands[index], results_dir, positions[0], timeout))
+            index += 1
+    return outcomes
 
 
 def move_results(staging, results_dir, responsible_for):
@@ -295,7 +361,11 @@ def parse_args(argv=None, scripts_dir=None):
                         help=f"stop a step that runs longer than this (default: {STEP_TIMEOUT} s)")
     parser.add_argument("--publish", type=Path, metavar="DIR",
                         help="also copy tour.md, tour.png, estimate.md and estimate.png to DIR "
-                             "(docs, for the README)")
+                             "(docs, for the README); runs each step alone")
+    parser.add_argument("--one-at-a-time", action="store_true",
+                        help="run each step alone, so that its training time is that of a run "
+                             "with the machine to itself (the default with --publish or a GPU; "
+                             "a CPU tour otherwise runs two single-process steps at a time)")
     args = parser.parse_args(argv)
     try:
         for_task(PRESETS[args.preset], args.task)
@@ -318,6 +388,10 @@ def parse_args(argv=None, scripts_dir=None):
     import torch  # only here: the rest of the tour runs without it
     if args.device != "cpu" and torch.cuda.is_available():  # each run checks its estimate
         args.passed_flags.append("--check-estimate")
+    # a CPU tour runs two single-process steps at a time: each trains on few cores for a few
+    # seconds, after seconds of starting Python and importing, which two overlap
+    args.side_by_side = not (args.one_at_a_time or args.publish or args.device == "cuda"
+                             or (args.device == "auto" and torch.cuda.is_available()))
     sharded = [script for script in args.scripts if step_of(script).sharded]
     split = (PRESETS[args.preset].batch_size, step_of(sharded[0]).accum_steps if sharded else 1)
     try:
@@ -345,8 +419,11 @@ def main(argv=None, scripts_dir=None):
         estimate = (None if args.skip_estimate or not PRESETS[args.preset].tour_estimate
                     or args.task != "classification" else estimate_command(staging))
         total = len(commands) + (estimate is not None)
-        outcomes = [run_command(command, staging, f"[{number}/{total}]", args.step_timeout)
-                    for number, command in enumerate(commands, 1)]
+        if args.side_by_side:
+            print("single-process steps run two at a time (a CPU tour without --publish): their "
+                  "training times include sharing the cores; --one-at-a-time or --publish runs "
+                  "each alone", flush=True)
+        outcomes = run_commands(commands, staging, total, args.step_timeout, args.side_by_side)
         if estimate is not None:
             estimate_outcome = run_command(estimate, staging, f"[{total}/{total}]", args.step_timeout)
         else:
@@ -357,7 +434,7 @@ def main(argv=None, scripts_dir=None):
             estimate_outcome = {"script": "estimate", "status": "skipped", "error": reason}
         write_json_atomically(staging / TOUR_FILE, {
             "steps": outcomes, "estimate": estimate_outcome, "passed_flags": args.passed_flags,
-            "sharded_launch": vars(args.launch)})
+            "sharded_launch": vars(args.launch), "side_by_side": args.side_by_side})
         report_text = write_report(staging)
         report_names = [name for name in REPORT_FILES if (staging / name).is_file()]
         responsible_for = [TOUR_FILE, TOUR_TABLE, TOUR_CHART, *(command.output for command in commands)]

@@ -1,6 +1,8 @@
 """The tour: the report built from recorded JSON, and the command that runs and collects steps."""
 import json
+import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -418,6 +420,87 @@ def test_a_hung_step_is_stopped_and_shown_as_failed(tmp_path):
     assert status == 1 and time.perf_counter() - started < 30
     row = table_rows((results / TOUR_TABLE).read_text())["01_hangs"]
     assert row[-1].startswith("failed: timed out after 2 s")
+
+
+WAITS_FOR = """# a fake step that writes its record only if the other starts while it runs
+import os, sys, time
+from pathlib import Path
+from fake_record import write_record
+staging = Path(sys.argv[sys.argv.index("--results-dir") + 1])
+(staging / "{mine}.started").touch()
+print("waiting threads:", os.environ.get("OMP_WAIT_POLICY"), flush=True)
+for _ in range(300):  # 30 s at most
+    if (staging / "{other}.started").exists():
+        write_record(__file__)
+        sys.exit(0)
+    time.sleep(0.1)
+sys.exit("{other} did not start beside me")
+"""
+
+
+def test_a_cpu_tour_runs_two_single_process_steps_side_by_side(tmp_path, monkeypatch, capfd):
+    """Each of two fake steps finishes only if the other starts while it runs; the table says
+    the training times were shared. --publish, --one-at-a-time and a GPU run each step alone."""
+    scripts, results = tmp_path / "scripts", tmp_path / "results"
+    scripts.mkdir()
+    shutil.copy(FIXTURES / "fake_steps" / "fake_record.py", scripts)
+    for mine, other in (("01", "02"), ("02", "01")):
+        (scripts / f"{mine}_waits_for_{other}.py").write_text(WAITS_FOR.format(mine=mine, other=other))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    assert tour.main(["--results-dir", str(results), "--skip-estimate"], scripts_dir=scripts) == 0
+    output = capfd.readouterr().out
+    assert "[1/2] 01_waits_for_02.py ... (beside 02_waits_for_01.py)" in output
+    assert output.index("01_waits_for_02 wrote its record") < output.index("[1/2] 01_waits_for_02.py ok")
+    assert list(table_rows((results / TOUR_TABLE).read_text())) == ["01_waits_for_02", "02_waits_for_01"]
+    assert "ran two at a time" in (results / TOUR_TABLE).read_text()
+    # waiting threads sleep, so that two steps' threads on few cores do not spin on each other's
+    # (the same threads as alone: the same sums, the same results)
+    assert output.count("waiting threads: PASSIVE") == 2
+    for flags in (["--one-at-a-time"], ["--publish", str(tmp_path / "docs")]):
+        assert not tour.parse_args(flags, scripts_dir=scripts).side_by_side
+    assert tour.parse_args([], scripts_dir=scripts).side_by_side
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert not tour.parse_args([], scripts_dir=scripts).side_by_side
+
+
+SLEEPS = """import os, sys, time
+from pathlib import Path
+results = Path(sys.argv[sys.argv.index("--results-dir") + 1]).parent  # above the tour's staging
+(results / "{mine}.pid").write_text(str(os.getpid()))
+time.sleep(120)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_ctrl_c_in_a_side_by_side_tour_ends_both_steps_in_one_line(tmp_path):
+    scripts, results = tmp_path / "scripts", tmp_path / "results"
+    scripts.mkdir()
+    for mine in ("01", "02"):
+        (scripts / f"{mine}_sleeps.py").write_text(SLEEPS.format(mine=mine))
+    argv = ["--results-dir", str(results), "--skip-estimate", "--device", "cpu"]  # side by side
+    code = ("import sys; from common.cli import run_main; from tour.runner import main; "
+            f"sys.exit(run_main(lambda: main({argv!r}, scripts_dir={str(scripts)!r})))")
+    tour_process = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, text=True,
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    pid_files = [results / "01.pid", results / "02.pid"]
+    deadline = time.monotonic() + 60
+    while not all(path.is_file() and path.read_text() for path in pid_files):
+        assert time.monotonic() < deadline and tour_process.poll() is None, "the steps did not start"
+        time.sleep(0.1)
+    tour_process.send_signal(signal.SIGINT)
+    _, stderr = tour_process.communicate(timeout=30)
+    assert tour_process.returncode != 0 and "Traceback" not in stderr, stderr
+    assert "interrupted (Ctrl-C)" in stderr
+    for path in pid_files:  # both steps ended (not left sleeping)
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                os.kill(int(path.read_text()), 0)
+            except ProcessLookupError:
+                break
+            assert time.monotonic() < deadline, f"{path.stem} still runs"
+            time.sleep(0.1)
 
 
 def test_tour_rejects_unknown_steps(capsys):
