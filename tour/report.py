@@ -190,7 +190,7 @@ def tour_markdown(rows, tour=None):
     if shortened:
         parts.append(f"Quick run ({' '.join(shortened)}): training time and test "
                      "accuracy are not those of full training.\n")
-    if tour.get("side_by_side"):
+    if any(isinstance(step, dict) and step.get("beside") for step in tour.get("steps") or []):
         parts.append("Single-process steps ran two at a time (a CPU tour without --publish): "
                      "their training times include sharing the cores; `python -m tour "
                      "--one-at-a-time` (or `--publish`) runs each alone.\n")

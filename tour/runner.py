@@ -11,7 +11,7 @@ Steps from 07 on shard across processes and run under torchrun: with 2 GPUs or m
 process per GPU (at most --nproc, and as many as the preset's batch splits over); with one GPU,
 one process on it for the GPU presets (article, imdb) and 2 CPU processes (gloo) for the CPU
 ones; with none, 2 CPU processes. The choice is printed and shown in the table.
-On a machine without a GPU the single-process steps run two at a time (each prints its output
+In a CPU tour (no GPU, or --device cpu) the single-process steps run two at a time (each prints its output
 when it ends), which shortens the tour by the seconds each spends starting Python and importing;
 their training times then include sharing the cores, as the table says. --publish and
 --one-at-a-time run each step alone, with its output streaming as it runs. A step that fails
@@ -58,6 +58,7 @@ TORCHRUN_LOG_LINE = re.compile(r"^[EWIF]\d{4} ")   # torchrun's own log lines ("
 ARGPARSE_ERROR = re.compile(r"^\S+: error: ")      # "01_baseline.py: error: argument --epochs: ..."
 RUNNING = set()  # the steps' processes running now (two side by side), ended together on Ctrl-C
 STOPPING = threading.Event()  # set on Ctrl-C: a step starting beside another is ended at once
+PRINTING = threading.Lock()  # two steps side by side print their outputs one after the other
 
 
 @dataclass
@@ -244,6 +245,8 @@ def run_command(command, results_dir, position, timeout=STEP_TIMEOUT, beside=Non
         finally:
             watchdog.cancel()
             RUNNING.discard(process)
+    if STOPPING.is_set():  # ended by Ctrl-C beside another step: nothing to report
+        raise KeyboardInterrupt
     seconds = time.perf_counter() - start
     if command.written and (results_dir / command.written).is_file():
         os.replace(results_dir / command.written, results_dir / command.output)
@@ -260,15 +263,16 @@ def run_command(command, results_dir, position, timeout=STEP_TIMEOUT, beside=Non
         error, error_lines = None, []
     ended = (f"{position} {command.name} {'ok' if error is None else 'FAILED, ' + error} "
              f"({seconds:.1f} s)")
-    if beside is not None:  # its whole output, then how it ended
-        print(f"\n{position} {command.name} (ran beside {beside}):", flush=True)
-        sys.stdout.write(stdout)
-        sys.stdout.flush()
-        sys.stderr.write("".join(f"{line}\n" for line in stderr_lines))
-        sys.stderr.flush()
-    print(ended, flush=True)
+    with PRINTING:  # one step's lines together, the other's before or after them
+        if beside is not None:  # its whole output, then how it ended
+            print(f"\n{position} {command.name} (ran beside {beside}):", flush=True)
+            sys.stdout.write(stdout)
+            sys.stdout.flush()
+            sys.stderr.write("".join(f"{line}\n" for line in stderr_lines))
+            sys.stderr.flush()
+        print(ended, flush=True)
     return {"script": command.record_name, "switches": list(command.switches),
-            "returncode": returncode,
+            "returncode": returncode, "beside": beside,
             "wall_seconds": round(seconds, 1), "status": "ok" if error is None else "failed",
             "error": error, "error_lines": error_lines}
 
@@ -277,11 +281,12 @@ def run_two_side_by_side(first, second, results_dir, positions, timeout):
     """Two single-process steps at once, each on its own output; their outcomes in order."""
     print(f"\n{positions[0]} {first.name} ... (beside {second.name})\n"
           f"{positions[1]} {second.name} ... (beside {first.name})", flush=True)
+    STOPPING.clear()
     with ThreadPoolExecutor(max_workers=2) as pool:
-        futures = [pool.submit(run_command, command, results_dir, position, timeout, other.name)
-                   for command, position, other in ((first, positions[0], second),
-                                                    (second, positions[1], first))]
         try:
+            futures = [pool.submit(run_command, command, results_dir, position, timeout, other.name)
+                       for command, position, other in ((first, positions[0], second),
+                                                        (second, positions[1], first))]
             return [future.result() for future in futures]
         except BaseException:  # Ctrl-C here: end both steps, whose threads then return
             STOPPING.set()
@@ -364,8 +369,9 @@ def parse_args(argv=None, scripts_dir=None):
                              "(docs, for the README); runs each step alone")
     parser.add_argument("--one-at-a-time", action="store_true",
                         help="run each step alone, so that its training time is that of a run "
-                             "with the machine to itself (the default with --publish or a GPU; "
-                             "a CPU tour otherwise runs two single-process steps at a time)")
+                             "with the machine to itself (the default with --publish or on a GPU; "
+                             "a CPU tour, with no GPU or --device cpu, otherwise runs two "
+                             "single-process steps at a time)")
     args = parser.parse_args(argv)
     try:
         for_task(PRESETS[args.preset], args.task)
@@ -419,7 +425,7 @@ def main(argv=None, scripts_dir=None):
         estimate = (None if args.skip_estimate or not PRESETS[args.preset].tour_estimate
                     or args.task != "classification" else estimate_command(staging))
         total = len(commands) + (estimate is not None)
-        if args.side_by_side:
+        if args.side_by_side and sum(not runs_alone(command) for command in commands) > 1:
             print("single-process steps run two at a time (a CPU tour without --publish): their "
                   "training times include sharing the cores; --one-at-a-time or --publish runs "
                   "each alone", flush=True)
@@ -434,7 +440,7 @@ def main(argv=None, scripts_dir=None):
             estimate_outcome = {"script": "estimate", "status": "skipped", "error": reason}
         write_json_atomically(staging / TOUR_FILE, {
             "steps": outcomes, "estimate": estimate_outcome, "passed_flags": args.passed_flags,
-            "sharded_launch": vars(args.launch), "side_by_side": args.side_by_side})
+            "sharded_launch": vars(args.launch)})
         report_text = write_report(staging)
         report_names = [name for name in REPORT_FILES if (staging / name).is_file()]
         responsible_for = [TOUR_FILE, TOUR_TABLE, TOUR_CHART, *(command.output for command in commands)]
