@@ -9,8 +9,8 @@ from pathlib import Path
 
 # Two test workers on two cores each run PyTorch's two OpenMP threads: threads that wait for
 # their turn sleep instead of spinning on the cores the other worker's threads need (as many
-# threads, so the same sums; the suite took 2.4x as long with spinning waits). Set before torch
-# loads OpenMP; the scripts the tests start inherit it.
+# threads, so the same sums). Set before torch loads OpenMP; the scripts the tests start
+# inherit it.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import pytest  # noqa: E402
