@@ -46,7 +46,8 @@ from common.memory import HOST, MemoryMeter, measure_creation
 from common.model import classification_head, create_model, fill_shards, transformer_blocks
 from common.presets import preset_for
 from common.progress import Progress
-from common.quirks import BlockWrapper, check_plain_output_layer, keep_training_layout
+from common.quirks import (BlockWrapper, check_output_layer_without_bias,
+                           check_plain_output_layer, keep_training_layout)
 from common.summary import report
 
 PRECISIONS = {"fp32": torch.float32, "mixed": torch.float32, "bf16": torch.bfloat16}  # 01, 02, 03
@@ -195,6 +196,50 @@ def chunked_loss(model, inputs, labels):  # chunked loss
     return loss / (targets != IGNORED).sum()  # the mean over every predicted token
 
 
+class FusedLinearCrossEntropy(torch.autograd.Function):  # fused loss
+    """The mean next-token loss over head(hidden)'s logits; forward computes its gradients too."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, with_gradients):
+        kept = targets != IGNORED  # the predicted positions
+        count = kept.sum()
+        loss = torch.zeros((), device=hidden.device)
+        grad_hidden = torch.empty_like(hidden)
+        trains_weight = with_gradients and ctx.needs_input_grad[1]  # not a frozen output layer's
+        grad_weight = torch.zeros_like(weight) if trains_weight else None  # held until backward
+        for piece, piece_targets, piece_kept, piece_grad in zip(
+                *(tensor.tensor_split(LOSS_CHUNKS, dim=1) for tensor in
+                  (hidden, targets.clamp(min=0).unsqueeze(-1), kept.unsqueeze(-1), grad_hidden))):
+            logits = (piece @ weight.T).float()  # this piece's logits, upcast as the model's loss
+            normalizer = logits.logsumexp(-1, keepdim=True)
+            loss += ((normalizer - logits.gather(-1, piece_targets)) * piece_kept).sum()
+            if not with_gradients:  # evaluation: the loss alone
+                continue
+            grad = logits.sub_(normalizer).exp_()  # softmax, in the logits' place
+            grad.scatter_add_(-1, piece_targets, -piece_kept.float())  # minus the one-hot target
+            grad = grad.mul_(piece_kept / count).to(weight.dtype)  # of the mean; none where IGNORED
+            piece_grad.copy_(grad @ weight)
+            if trains_weight:  # vocabulary x hidden, summed over the pieces
+                grad_weight.addmm_(grad.flatten(0, 1).T, piece.flatten(0, 1))
+        ctx.save_for_backward(grad_hidden, grad_weight)
+        return loss / count
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        grad_hidden, grad_weight = ctx.saved_tensors  # the loss's gradients, made in forward
+        return (grad_hidden * grad_loss, None if grad_weight is None else grad_weight * grad_loss,
+                None, None)
+
+
+def fused_loss(model, inputs, labels):  # fused loss
+    """model(**inputs, labels=labels).loss, with the output layer and the loss fused: no logits
+    outlive their piece, and the output layer runs once."""
+    hidden = model.base_model(**inputs).last_hidden_state  # the blocks' output, before the head
+    targets = F.pad(labels[:, 1:], (0, 1), value=IGNORED)  # position t predicts token t + 1
+    return FusedLinearCrossEntropy.apply(  # fused loss
+        hidden, model.get_output_embeddings().weight, targets, torch.is_grad_enabled())
+
+
 class LoRALinear(torch.nn.Module):  # LoRA
     """`base` (a linear layer, frozen) plus a trainable low-rank update: base(x) + s * B(A(x))."""
 
@@ -299,24 +344,65 @@ def step_on_host(optimizer, weights):  # Adam on the host: gradients out, the st
         weight.detach().copy_(host_weight, non_blocking=True)  # Adam on the host: the updated weight
 
 
+class GradientsToHost:  # gradients to host
+    """A hook on each weight that copies its gradient to host memory as soon as backward has
+    finished it, and frees it on the device; add_up() adds a micro-batch's into the host
+    weights' .grad, where Adam reads them."""
+
+    def __init__(self, weights, host_weights, device):
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None  # copies out
+        self.arrived = []  # (host copy of a gradient, its host weight), this micro-batch's
+        for weight, host_weight in zip(weights, host_weights):
+            weight.register_post_accumulate_grad_hook(
+                lambda weight, host_weight=host_weight: self.to_host(weight, host_weight))
+
+    def to_host(self, weight, host_weight):
+        if self.stream is None:  # a CPU: copied all the same, so the estimate sees it move
+            self.arrived.append((weight.grad.to(HOST, copy=True), host_weight))
+        else:
+            self.stream.wait_stream(torch.cuda.current_stream())  # once the gradient is complete
+            with torch.cuda.stream(self.stream):  # beside backward's next kernels
+                host = torch.empty(weight.shape, dtype=weight.dtype, device=HOST, pin_memory=True)
+                host.copy_(weight.grad, non_blocking=True)
+            weight.grad.record_stream(self.stream)  # its memory is reused only after the copy
+            self.arrived.append((host, host_weight))
+        weight.grad = None  # freed on the device while backward goes on
+
+    def add_up(self):
+        """After a micro-batch's backward: wait for its copies, then add them up on the host."""
+        if self.stream is not None:
+            self.stream.synchronize()
+        for host, host_weight in self.arrived:
+            if host_weight.grad is None:
+                host_weight.grad = host
+            else:
+                host_weight.grad += host  # accumulation, in host memory
+        self.arrived.clear()
+
+
 def forward(model, inputs, labels, args, device):
-    """The loss of one (micro-)batch: the model's own, or the chunked one."""
+    """The loss of one (micro-)batch: the model's own, the chunked one or the fused one."""
     with torch.autocast(device_type=device.type, dtype=torch.float16,  # mixed precision
                         enabled=args.precision == "mixed"):
         if args.loss == "chunked":
             return chunked_loss(model, inputs, labels)  # chunked loss
+        if args.loss == "fused":
+            return fused_loss(model, inputs, labels)  # fused loss
         return model(**inputs, labels=labels).loss  # its own loss: over classes, or next tokens
 
 
-def train_step(model, optimizer, scaler, inputs, labels, device, args, trained):
+def train_step(model, optimizer, scaler, inputs, labels, device, args, trained, to_host):
     """One optimizer step on one batch; returns the loss. `optimizer` is None when each weight
-    is stepped during backward; `scaler` is None unless --precision mixed."""
+    is stepped during backward; `scaler` is None unless --precision mixed; `to_host` is None
+    unless --gradients-to-host."""
     dtype = PRECISIONS[args.precision]
     scale = (lambda loss: loss) if scaler is None else scaler.scale  # mixed precision
     if args.accum_steps == 1:  # the whole batch at once
         inputs, labels = to_device(inputs, device, dtype), labels.to(device)  # bf16-true: bfloat16 images
         loss = forward(model, inputs, labels, args, device)
         scale(loss).backward()  # mixed precision: scaled up, float16 gradients would underflow
+        if to_host is not None:
+            to_host.add_up()  # gradients to host: a wait for the copies, then the sums on the host
         batch_loss = loss.detach()
     else:
         # gradient accumulation: equal micro-batches, one at a time; their gradients add up in .grad
@@ -328,6 +414,8 @@ def train_step(model, optimizer, scaler, inputs, labels, device, args, trained):
             micro_labels = micro_labels.to(device)
             loss = forward(model, micro_inputs, micro_labels, args, device) / len(micro_batches)
             scale(loss).backward()  # mixed precision
+            if to_host is not None:
+                to_host.add_up()  # gradients to host: a wait for the copies, then the sums on the host
             batch_loss += loss.detach().float()  # the record's loss, summed in float32
     if scaler is not None:
         scaler.unscale_(optimizer)  # mixed precision: true gradients from here on (clip here)
@@ -364,8 +452,10 @@ def train(args, device):
             model = create_model(preset, dtype=dtype)  # on-device init: in its dtype from the start
             if args.lora_rank:
                 add_adapters(model, args.lora_rank, args.lora_alpha, args.lora_targets)  # LoRA
-        if args.loss == "chunked":
+        if args.loss in ("chunked", "fused"):
             check_plain_output_layer(model.config, "Train it with --loss model")  # chunked loss
+        if args.loss == "fused":
+            check_output_layer_without_bias(model, "Train it with --loss chunked")  # fused loss
         if args.qlora:
             for adapter in [module for module in model.modules() if isinstance(module, LoRALinear)]:  # QLoRA
                 adapter.base = in_four_bits(adapter.base)  # QLoRA: one layer at a time
@@ -395,7 +485,7 @@ def train(args, device):
         print("note: this model is trained from scratch, so LoRA's frozen weights are random: the "
               "run shows LoRA's memory, not its accuracy (use --preset tiny-text)", file=sys.stderr)
     if args.compile and not sharded:  # fused kernels, generated by the first call, then reused
-        if args.loss == "chunked":
+        if args.loss in ("chunked", "fused"):
             model.base_model.compile()  # chunked loss: the blocks (the loss runs outside forward)
         else:
             model.compile()  # in place: the same module, parameters and state_dict names
@@ -424,6 +514,8 @@ def train(args, device):
     else:
         optimizer = make_optimizer(weights, args, preset)
         stepped = [optimizer]
+    # gradients to host: each gradient copied out as backward makes it (None: 05f's copies after)
+    to_host = GradientsToHost(trained, weights, device) if args.gradients_to_host else None
     schedulers = [torch.optim.lr_scheduler.CosineAnnealingLR(each, T_max=total_steps)  # plain SGD
                   for each in stepped] if args.optimizer == "sgd" else []
     scaler = torch.amp.GradScaler(device.type) if args.precision == "mixed" else None  # mixed precision
@@ -431,12 +523,13 @@ def train(args, device):
     # the peak of the first steps, by what it holds (optimizer in backward: all the optimizers)
     meter = MemoryMeter(device, model, stepped if args.optimizer_in_backward else optimizer)
     progress = Progress(total_steps)  # progress lines, the losses and the training clock
-    evaluation_loss = chunked_loss if args.loss == "chunked" else None  # chunked loss
+    evaluation_loss = {"chunked": chunked_loss, "fused": fused_loss}.get(args.loss)  # chunked loss
     model.train()
     for epoch in range(args.epochs):
         for inputs, labels in data.train:
             with meter.step():
-                loss = train_step(model, optimizer, scaler, inputs, labels, device, args, trained)
+                loss = train_step(model, optimizer, scaler, inputs, labels, device, args, trained,
+                                  to_host)
             for scheduler in schedulers:
                 scheduler.step()  # plain SGD: the cosine moves once per optimizer step
             progress.step(epoch, loss)
@@ -462,14 +555,18 @@ def switches(parser):
                                              "sgd: plain SGD with cosine decay (05)")
     parser.add_argument("--optimizer-on-host", action="store_true",
                         help="the optimizer's state and step in host memory (05f)")
+    parser.add_argument("--gradients-to-host", action="store_true",
+                        help="with --optimizer-on-host: each gradient sent to host memory as "
+                             "soon as backward makes it (05i)")
     parser.add_argument("--optimizer-in-backward", action="store_true",
                         help="each weight stepped as soon as its gradient is complete (04a)")
     parser.add_argument("--checkpointing", choices=["none", "full", "selective", "offloaded"],
                         default="none", help="recompute each block in backward: full (05c; 09 "
                         "when sharded), selective (05d), offloaded: inputs in host memory (05e)")
-    parser.add_argument("--loss", choices=["model", "chunked"], default="model",
+    parser.add_argument("--loss", choices=["model", "chunked", "fused"], default="model",
                         help="model: the model's own (default); chunked: the output layer and "
-                             "loss a piece of the sequence at a time (05g, --task causal-lm)")
+                             "loss a piece of the sequence at a time (05g, --task causal-lm); "
+                             "fused: the same, its gradients made in forward (05h)")
     parser.add_argument("--lora-rank", type=positive_int,
                         help="train low-rank adapters of this rank on frozen weights (07a)")
     parser.add_argument("--lora-alpha", type=positive_float,
@@ -520,6 +617,15 @@ def refusal(args):
         return (f"--optimizer {args.optimizer} with {sharded}: its step has no rule for "
                 "sharded weights (DTensor): bitsandbytes' kernels, Adafactor's in-place row and "
                 "column statistics; use --optimizer adam or sgd")
+    if args.gradients_to_host and not args.optimizer_on_host:
+        return ("--gradients-to-host without --optimizer-on-host: it sends each gradient to the "
+                "host's optimizer; add --optimizer-on-host")
+    if args.gradients_to_host and args.optimizer_in_backward:
+        return ("--gradients-to-host with --optimizer-in-backward: each weight's step on the host "
+                "takes its gradient out as backward makes it already; use one of them")
+    if args.gradients_to_host and args.compile:
+        return ("--gradients-to-host with --compile: the compiled model hands back every gradient "
+                "at once, after its backward, so none leaves early; use one of them")
     if args.optimizer_on_host and args.offload:
         return ("--optimizer-on-host with --offload: both keep the optimizer's state and step "
                 "in host memory; --offload also keeps the weights there: use one of them")
@@ -537,12 +643,16 @@ def refusal(args):
     if args.optimizer_on_host and args.precision == "mixed":
         return ("--optimizer-on-host with --precision mixed: the loss scaler unscales the "
                 "gradients on the device, before the step; use --precision bf16 or fp32")
-    if args.loss == "chunked" and args.task != "causal-lm":
-        return (f"--loss chunked with --task {args.task}: a classifier's logits are a few "
+    if args.loss != "model" and args.task != "causal-lm":
+        return (f"--loss {args.loss} with --task {args.task}: a classifier's logits are a few "
                 "numbers per sample, with nothing to chunk; add --task causal-lm")
-    if args.loss == "chunked" and launched_sharded(args):
-        return (f"--loss chunked with {sharded}: it calls the blocks and the output layer apart, "
-                "outside the sharded model's forward that gathers their weights")
+    if args.loss != "model" and launched_sharded(args):
+        return (f"--loss {args.loss} with {sharded}: it calls the blocks and the output layer "
+                "apart, outside the sharded model's forward that gathers their weights")
+    if args.loss == "fused" and args.precision == "mixed":
+        return ("--loss fused with --precision mixed: it makes its gradients in forward, before "
+                "the loss scaler's factor reaches them, so small float16 gradients would "
+                "underflow; use --precision bf16 or fp32")
     for name in ("lora_alpha", "lora_targets", "qlora"):
         if getattr(args, name) and not args.lora_rank:
             return (f"--{name.replace('_', '-')} without --lora-rank: it shapes the adapters; "

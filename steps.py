@@ -78,6 +78,12 @@ STEPS = {step.id: step for step in [
          switches=(*ACCUM, "--optimizer-on-host")),
     Step("05g", "chunked loss", "04", accum_steps=4, task="causal-lm",
          switches=(*ACCUM, "--loss", "chunked")),
+    Step("05h", "fused loss", "05g", accum_steps=4, task="causal-lm",
+         removes=("05g",),  # its output layer run under checkpoint, a piece at a time
+         switches=(*ACCUM, "--loss", "fused")),
+    Step("05i", "gradients to host", "05f", accum_steps=4,
+         removes=("05f",),  # its copies of every gradient after backward
+         switches=(*ACCUM, "--optimizer-on-host", "--gradients-to-host")),
     Step("06", "on-device init", "05", accum_steps=4, switches=(*ACCUM, "--optimizer", "sgd")),
     Step("07", "FSDP", "06", sharded=True, accum_steps=4, switches=(*ACCUM, "--optimizer", "sgd")),
     Step("07a", "LoRA", "06", accum_steps=4, removes=("05",), switches=(*ACCUM, "--lora-rank", "8")),

@@ -35,6 +35,15 @@ def check_plain_output_layer(config, instead):
                          f"computes. {instead}")
 
 
+def check_output_layer_without_bias(model, instead):
+    """Stop with a message if the model's output layer adds a bias (Phi's, GPT-J's and CodeGen's
+    do), which 05h's fused loss, its logits hidden @ weight.T, leaves out; `instead` says what
+    to train it with."""
+    if getattr(model.get_output_embeddings(), "bias", None) is not None:
+        raise SystemExit("error: this model's output layer adds a bias, which the fused loss "
+                         f"leaves out. {instead}")
+
+
 def keep_training_layout(four_bit):
     """Keep a bitsandbytes Linear4bit (07b) in the layout its training path reads: on CPUs with
     AVX512-BF16, bitsandbytes 0.50 repacks the weight for inference at the first evaluation, for

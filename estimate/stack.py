@@ -8,9 +8,9 @@ rates the cost model assumes. Exact techniques come first, by the time they add 
 arithmetic; then Adam stepped in backward, which takes no time but gives up accumulation (the
 micro-batch becomes the batch); then what moves bytes over PCIe each step (activations, the
 optimizer's state and step), then the weights too. Within a group the links are ordered by the
-seconds the cost model gives them for the model asked about (a small vocabulary makes the
-chunked loss cheaper than selective checkpointing, a large one dearer), and the printed chain
-says where that differs from CHAIN. A link that 10_combined.py refuses beside an earlier one
+seconds the cost model gives them for the model asked about (activation offloading's bytes
+grow with the tokens, the host optimizer's with the parameters), and the printed chain says
+where that differs from CHAIN. A link that 10_combined.py refuses beside an earlier one
 replaces it, and the printed chain says so. Adapters train something else: they are answered
 apart, with the activation switches of the answer.
 """
@@ -40,6 +40,7 @@ class Link:
     group: int = 0           # GROUPS: the chain keeps their order, and orders by cost within one
     causal_lm_only: bool = False
     sharded: bool = False    # --offload: sharded (under torchrun when --world-size N > 1)
+    gives_back: str = ""     # what taking out the switches it REMOVEs gives back
 
 
 GROUPS = ("exact: the same arithmetic, more time", "inexact: the optimizer's arithmetic changes",
@@ -49,8 +50,9 @@ GROUPS = ("exact: the same arithmetic, more time", "inexact: the optimizer's ari
 
 CHAIN = (
     Link("bf16", (), "the default: bfloat16 weights, Adam, the model's loss"),
-    Link("chunked loss", (("--loss", "chunked"),),
-         "a second forward of the output layer: 2 x vocabulary x hidden FLOPs a token",
+    Link("fused loss", (("--loss", "fused"),),
+         "none: the output layer's products, as the model's own loss makes them, a piece at a "
+         "time (the chunked loss holds as little for a second forward of the output layer)",
          causal_lm_only=True),
     Link("selective checkpointing", (("--checkpointing", "selective"),),
          "the element-wise operators again: ~0.1 of a forward's time, no matrix product"),
@@ -66,10 +68,16 @@ CHAIN = (
     Link("optimizer on the host", (("--optimizer-on-host", True),),
          "gradients down and weights up over PCIe (4 bytes a parameter) and Adam on the host",
          group=3),
+    Link("gradients to host", (("--gradients-to-host", True), ("--optimizer-on-host", True),
+                               ("--optimizer-in-backward", REMOVE)),
+         "the same bytes as the optimizer on the host, each gradient as backward makes it, "
+         "so accumulation comes back with no gradient held on the GPU", group=3,
+         gives_back="accumulation again"),
     Link("offload", (("--offload", True), ("--loss", REMOVE), ("--optimizer", REMOVE),
-                     ("--optimizer-in-backward", REMOVE), ("--optimizer-on-host", REMOVE)),
+                     ("--optimizer-in-backward", REMOVE), ("--optimizer-on-host", REMOVE),
+                     ("--gradients-to-host", REMOVE)),
          "the weights up twice per micro-batch, gradients down (6 bytes a parameter) and Adam "
-         "on the host", group=4, sharded=True),
+         "on the host", group=4, sharded=True, gives_back="the model's loss, Adam, accumulation again"),
 )
 ADAPTERS = ((("--lora-rank", "8"),), (("--lora-rank", "8"), ("--qlora", True)))
 ACTIVATION_FLAGS = ("--loss", "--checkpointing")
@@ -81,11 +89,12 @@ def step_seconds(link, parameters, tokens, layers, hidden, vocabulary, micro_bat
     host_step = parameters * COST["adam_bytes_per_parameter"] / COST["host_bytes_per_s"]
     pcie = COST["pcie_bytes_per_s"]
     return {"bf16": 0.0, "8-bit AdamW": 0.0, "optimizer in backward": 0.0,
-            "chunked loss": 2 * vocabulary * hidden * tokens / COST["gpu_flops"],
+            "fused loss": 0.0,
             "selective checkpointing": COST["elementwise_forward"] * forward,
             "full checkpointing": forward,
             "activation offloading": 2 * layers * tokens * hidden * 2 / pcie,
             "optimizer on the host": 4 * parameters / pcie + host_step,
+            "gradients to host": 4 * parameters / pcie + host_step,
             "offload": (4 * micro_batches + 2) * parameters / pcie + host_step}[link.name]
 
 
@@ -115,7 +124,7 @@ def prefixes(task, seconds=None):
         notes = [f"replaces {', '.join(replaced)}"] if replaced else []
         if refused:
             notes.append(f"replaces {', '.join(refused)} (10_combined.py refuses them with "
-                         f"{link.sets[0][0]}: the model's loss, Adam, accumulation again)")
+                         f"{link.sets[0][0]}: {link.gives_back})")
         out.append((link, list(current.items()), notes))
     return out
 
@@ -307,7 +316,8 @@ def chain_text(task, parameters, tokens, shape, world_size):
                      + "".join(f"; {note}" for note in notes))
     moved = [link.name for link, usual in zip(ordered(seconds), CHAIN) if link is not usual]
     if moved:
-        lines.append(f"  (for this model the cost model orders {' and '.join(moved)} otherwise "
+        named = " and ".join([", ".join(moved[:-1]), moved[-1]] if len(moved) > 2 else moved)
+        lines.append(f"  (for this model the cost model orders {named} otherwise "
                      "than the usual chain: cheaper first within a group)")
     return "\n".join(lines)
 

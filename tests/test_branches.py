@@ -291,6 +291,46 @@ def test_adam_on_the_host_trains_as_04(runs):
     assert_trains_as("05f", "04", runs)
 
 
+@pytest.mark.numerical
+def test_gradients_sent_to_the_host_as_they_are_made_train_as_05f(runs):
+    """The same Adam on the host, each gradient copied out during backward and the micro-batches'
+    added up there: the same losses and weights."""
+    assert_trains_as("05i", "05f", runs)
+
+
+def test_gradients_sent_to_the_host_leave_the_device_one_at_a_time(tmp_path):
+    """At each copy out, the gradients on the device are the one backward just finished: none
+    waits for the end of backward (05f holds them all there), with 4 micro-batches a step."""
+    module = load_script("05i")
+    held, copies = [], []
+
+    class Watched(module.GradientsToHost):
+        def __init__(self, weights, host_weights, device):
+            self.weights = list(weights)
+            super().__init__(self.weights, host_weights, device)
+
+        def to_host(self, weight, host_weight):
+            held.append(sum(each.grad is not None for each in self.weights))
+            super().to_host(weight, host_weight)
+            copies.append(weight.grad is None)  # freed on the device at once
+
+    module.GradientsToHost = Watched
+    _, meter = run_script("05i", QUICK, tmp_path, module)
+    trained = sum(1 for param in meter.model.parameters() if param.requires_grad)
+    assert len(held) == 2 * 4 * trained  # two steps of four micro-batches, every weight
+    assert max(held) == 1 and all(copies)
+
+
+def test_gradients_sent_as_they_are_made_are_not_in_a_predicted_gpus_peak():
+    """Predicted for a GPU: 05f's peak holds every gradient at the end of backward; 05i's holds
+    none (each is freed as it is sent), so it is lower by at least their bytes."""
+    from estimate.predict import predict
+    after, as_made = (predict(script_path(name), ["--preset", "tiny"]) for name in ("05f", "05i"))
+    gradients = after["breakdown_bytes"]["gradients"]
+    assert as_made["breakdown_bytes"]["gradients"] == 0 < gradients
+    assert as_made["allocated_bytes"] <= after["allocated_bytes"] - gradients
+
+
 def test_adam_on_the_host_leaves_no_optimizer_state_on_a_gpu():
     """Predicted for a GPU: Adam's state and the weights' copy are in host memory, so the device
     holds 05's model state (weights and gradients, 4 bytes per parameter in bfloat16) where 04

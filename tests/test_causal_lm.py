@@ -7,6 +7,7 @@ under causal-lm: a small Llama drawn from scratch) learns in the README's comman
 matrix's decoders train on the branch that touches the output layer itself (05g) and on its
 parent.
 """
+import math
 import re
 
 import pytest
@@ -38,18 +39,19 @@ def test_the_presets_decoder_learns_the_next_token(small_snippets, tmp_path):
 
 
 @pytest.mark.parametrize("name", DECODERS)
-def test_every_decoder_trains_on_next_tokens_whole_and_chunked(name, small_snippets, tmp_path):
-    """05g holds less than 04 by at least the float32 logits of a micro-batch (04 keeps them,
-    and their log-probabilities, from the loss to backward), and starts from the same loss."""
+def test_every_decoder_trains_on_next_tokens_whole_chunked_and_fused(name, small_snippets, tmp_path):
+    """05g and 05h hold less than 04 by at least the float32 logits of a micro-batch (04 keeps
+    them, and their log-probabilities, from the loss to backward), and start from its loss."""
     folder = write_model(tmp_path / re.sub(r"\W", "", name.lower()), name)
     flags = [*model_flags(folder, name), *CAUSAL_LM, "--accum-steps", "2"]
     parent, _ = run_script("04", [*flags, *QUICK], tmp_path)
-    chunked, _ = run_script("05g", [*flags, *QUICK], tmp_path)
     micro_batch = parent["batch_size"] // parent["accum_steps"]
     logits_bytes = micro_batch * SEQ_LEN * VOCABULARY * 4  # float32
-    assert parent["peak_memory_bytes"] - chunked["peak_memory_bytes"] >= logits_bytes
-    assert chunked["losses"][0] == pytest.approx(parent["losses"][0], rel=2**-7)  # bfloat16 logits
-    assert_estimate_is_peak("05g", flags, chunked)
+    for step in ("05g", "05h"):
+        real, _ = run_script(step, [*flags, *QUICK], tmp_path)
+        assert parent["peak_memory_bytes"] - real["peak_memory_bytes"] >= logits_bytes, step
+        assert real["losses"][0] == pytest.approx(parent["losses"][0], rel=2**-7)  # bfloat16 logits
+        assert_estimate_is_peak(step, flags, real)
 
 
 @pytest.mark.numerical
@@ -78,6 +80,47 @@ def test_the_chunked_loss_is_the_models_own_loss_within_rounding():
     assert whole.item() == pytest.approx(token_losses.sum().item() / tokens, rel=1e-5)
     assert_same_sum(chunked.detach(), whole.detach(), token_losses.abs().sum() / tokens,
                     additions(model.config, tokens), what="chunked loss")
+
+
+@pytest.mark.numerical
+def test_the_fused_loss_and_the_gradients_it_makes_in_forward_are_the_plain_losss():
+    """In float32, with ignored targets and accumulation's scale: 05h's loss, and the gradients
+    with respect to the hidden states and the output layer's weight that its forward makes and
+    its backward scales, equal autograd's through the plain loss within the rounding of their
+    sums; evaluation's loss (no gradients made) is the same number."""
+    from common.data import IGNORED
+    fused = load_script("05h").FusedLinearCrossEntropy
+    torch.manual_seed(0)
+    batch, length, width, vocabulary = 3, 20, 16, 50
+    hidden = torch.randn(batch, length, width, requires_grad=True)
+    weight = torch.randn(vocabulary, width, requires_grad=True)
+    targets = torch.randint(vocabulary, (batch, length))
+    targets[0, 12:] = targets[1, 5:] = IGNORED
+    loss = fused.apply(hidden, weight, targets, True)
+    (loss / 4).backward()  # four micro-batches: backward scales what forward made
+    with torch.no_grad():
+        assert fused.apply(hidden, weight, targets, False) == loss
+    plain_hidden, plain_weight = (hidden.detach().requires_grad_(), weight.detach().requires_grad_())
+    logits = plain_hidden @ plain_weight.T
+    logits.retain_grad()
+    expected = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(),
+                                                 ignore_index=IGNORED)
+    (expected / 4).backward()
+    kept = targets != IGNORED
+    count = int(kept.sum())
+    # the sums' sizes: a logit's terms, the normalizer's, then the product's (tokens or vocabulary)
+    n = width + vocabulary + max(count, vocabulary) + 4
+    probabilities = logits.detach().softmax(-1)
+    one_hot = torch.nn.functional.one_hot(targets.clamp(min=0), vocabulary) * kept.unsqueeze(-1)
+    grad_size = (probabilities + one_hot) * kept.unsqueeze(-1) / count / 4  # before cancelling
+    token_size = (logits.detach().abs().amax(-1) * 2 + math.log(vocabulary)) * kept  # |lse| + |logit|
+    assert_same_sum(loss.detach(), expected.detach(), token_size.sum() / count, n, what="loss")
+    assert_same_sum(hidden.grad, plain_hidden.grad, grad_size @ weight.detach().abs(), n,
+                    what="hidden states' gradient")
+    assert_same_sum(weight.grad, plain_weight.grad,
+                    grad_size.flatten(0, 1).T @ hidden.detach().abs().flatten(0, 1), n,
+                    what="output layer's gradient")
+    assert (hidden.grad[~kept] == 0).all()  # an ignored position's logits get no gradient
 
 
 def five_texts_and_a_decoder():

@@ -44,8 +44,8 @@ ADAPTED_LINES = {
     "score = evaluate(model, data.val, device, dtype, evaluation_loss)": "05g's line with the "
         "loss --loss chooses (05g: chunked_loss) and the dtype --precision chooses",
     "test_score = evaluate(model, data.test, device, dtype, evaluation_loss)": "the same",
-    "evaluation_loss = chunked_loss if args.loss == \"chunked\" else None": "05g evaluates with "
-        "its chunked loss; 10 with the loss --loss chooses",
+    "evaluation_loss = {\"chunked\": chunked_loss, \"fused\": fused_loss}.get(args.loss)": "05g "
+        "and 05h evaluate with their own loss; 10 with the loss --loss chooses",
     "def step_on_host(optimizer, weights):": "05f's lines of train_step as a function, also "
                                              "called for one weight in backward",
     "sharded = dist.is_initialized()": "07 always shards; 10 under torchrun or with --offload",
@@ -88,6 +88,9 @@ ADAPTED_LINES = {
     "return chunked_loss(model, inputs, labels)": "05g's loss of one micro-batch",
     "check_plain_output_layer(model.config, \"Train it with --loss model\")":
         "05g's refusal, naming --loss model instead of 04",
+    "return fused_loss(model, inputs, labels)": "05h's loss of one micro-batch",
+    "check_output_layer_without_bias(model, \"Train it with --loss chunked\")":
+        "05h's refusal, naming --loss chunked instead of 05g",
 }
 
 
@@ -253,11 +256,12 @@ GROUPS = [
     {"accum": ["--accum-steps", "2"]},
     {"adamw-8bit": ["--optimizer", "adamw-8bit"], "adafactor": ["--optimizer", "adafactor"],
      "sgd": ["--optimizer", "sgd"]},
-    {"on-host": ["--optimizer-on-host"]},
+    {"on-host": ["--optimizer-on-host"],
+     "to-host": ["--optimizer-on-host", "--gradients-to-host"]},
     {"in-backward": ["--optimizer-in-backward"]},
     {"full": ["--checkpointing", "full"], "selective": ["--checkpointing", "selective"],
      "offloaded": ["--checkpointing", "offloaded"]},
-    {"chunked": ["--loss", "chunked"]},
+    {"chunked": ["--loss", "chunked"], "fused": ["--loss", "fused"]},
     {"lora": ["--lora-rank", "4"], "qlora": ["--lora-rank", "4", "--qlora"]},
     {"offload": ["--offload"]},
     {"reshard": ["--reshard-after-forward", "false"]},
@@ -265,7 +269,7 @@ GROUPS = [
 SWITCHES = {name: flags for group in GROUPS for name, flags in group.items()}
 PAIRS = [(first, second) for one, other in itertools.combinations(GROUPS, 2)
          for first in one for second in other]
-TEXT_SWITCHES = {"chunked", "lora", "qlora"}  # on a decoder, tiny-text under --task causal-lm
+TEXT_SWITCHES = {"chunked", "fused", "lora", "qlora"}  # on a decoder, tiny-text under --task causal-lm
 # what each refused pair says: the words after "error: " name both switches
 REFUSED = {
     frozenset({"in-backward", "accum"}): "--optimizer-in-backward with --accum-steps",
@@ -278,11 +282,16 @@ REFUSED = {
     frozenset({"stochastic-rounding", "adafactor"}): "--stochastic-rounding with --optimizer adafactor",
     frozenset({"stochastic-rounding", "sgd"}): "--stochastic-rounding with --optimizer sgd",
     frozenset({"on-host", "offload"}): "--optimizer-on-host with --offload",
+    frozenset({"to-host", "offload"}): "--optimizer-on-host with --offload",
+    frozenset({"to-host", "in-backward"}): "--gradients-to-host with --optimizer-in-backward",
+    frozenset({"to-host", "mixed"}): "--optimizer-on-host with --precision mixed",
     frozenset({"stochastic-rounding", "offload"}): "--stochastic-rounding with --offload",
     frozenset({"adamw-8bit", "offload"}): "--optimizer adamw-8bit with --offload",
     frozenset({"adafactor", "offload"}): "--optimizer adafactor with --offload",
     frozenset({"on-host", "mixed"}): "--optimizer-on-host with --precision mixed",
     frozenset({"chunked", "offload"}): "--loss chunked with --offload",
+    frozenset({"fused", "offload"}): "--loss fused with --offload",
+    frozenset({"fused", "mixed"}): "--loss fused with --precision mixed",
     frozenset({"lora", "offload"}): "--lora-rank with --offload",
     frozenset({"qlora", "offload"}): "--lora-rank with --offload",
     frozenset({"mixed", "offload"}): "--precision mixed with --offload",
@@ -315,7 +324,7 @@ class Took:
 
         module.MemoryMeter = Meter
         module.evaluate = lambda *args, **kwargs: float("nan")
-        for name in ("chunked_loss", "split_batch", "step_on_host"):
+        for name in ("chunked_loss", "fused_loss", "split_batch", "step_on_host", "GradientsToHost"):
             monkeypatch.setattr(module, name, self.counting(name, getattr(module, name)))
         shard = module.fully_shard
         monkeypatch.setattr(module, "fully_shard", lambda *args, **kwargs: (
@@ -385,11 +394,14 @@ def took_effect(name, module, took, record):
         "sgd": lambda: isinstance(first, torch.optim.SGD),
         "on-host": lambda: took.calls.get("step_on_host", 0) >= 2 and not any(
             param is weight for param in first.param_groups[0]["params"] for weight in weights),
+        "to-host": lambda: took.calls.get("GradientsToHost", 0) == 1 and took.calls.get(
+            "step_on_host", 0) >= 2 and all(weight.grad is None for weight in weights),
         "in-backward": lambda: isinstance(optimizer, list) and len(optimizer) == len(weights),
         "full": lambda: all(isinstance(block, module.CheckpointedBlock) for block in blocks),
         "selective": lambda: all(block.selective for block in blocks),
         "offloaded": lambda: all(isinstance(block.offload, module.OffloadedInputs) for block in blocks),
         "chunked": lambda: took.calls.get("chunked_loss", 0) >= 2,
+        "fused": lambda: took.calls.get("fused_loss", 0) >= 2,
         "lora": lambda: any(isinstance(layer, module.LoRALinear) for layer in model.modules()),
         "qlora": lambda: any(type(layer.base).__name__ == "Linear4bit" for layer in model.modules()
                      if isinstance(layer, module.LoRALinear)),
@@ -460,9 +472,10 @@ STACKS = [
     ("chunked", "in-backward", "full"),
     ("sgd", "offload", "full", "reshard"),  # 09 at ZeRO-2's memory
     ("qlora", "chunked", "offloaded", "accum", "on-host"),
+    ("lora", "fused", "to-host", "accum", "selective"),  # a frozen output layer: no gradient made
     # the whole stack in one process: each weight's 8-bit AdamW step on the host during
-    # backward, activations recomputed from inputs in host memory, the loss in pieces
-    ("chunked", "offloaded", "adamw-8bit", "in-backward", "on-host"),
+    # backward, activations recomputed from inputs in host memory, the loss fused
+    ("fused", "offloaded", "adamw-8bit", "in-backward", "on-host"),
 ]
 
 
@@ -480,8 +493,8 @@ def test_stacked_switches_train(names, tmp_path, monkeypatch, small_snippets):
 # what the estimate is checked on beside the default (which tests/test_causal_lm.py estimates, as
 # for every script): the activation techniques stacked in one process; and QLoRA, whose 4-bit
 # weights the estimate stands in for (estimate/fake_4bit.py) as for 07b
-ESTIMATED = {"chunked+offloaded+adamw-8bit+in-backward+on-host": [
-                 *TEXT, *CAUSAL_LM, "--loss", "chunked", "--checkpointing", "offloaded",
+ESTIMATED = {"fused+offloaded+adamw-8bit+in-backward+on-host": [
+                 *TEXT, *CAUSAL_LM, "--loss", "fused", "--checkpointing", "offloaded",
                  "--optimizer", "adamw-8bit", "--optimizer-in-backward", "--optimizer-on-host"],
              "qlora": ["--lora-rank", "8", "--qlora"]}
 

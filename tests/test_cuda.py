@@ -142,6 +142,22 @@ def test_adam_on_the_host_takes_04s_step_on_a_gpu(tmp_path):
         assert ((ours - theirs).abs() <= bound).all()
 
 
+@requires_cuda
+def test_gradients_sent_to_the_host_as_made_take_05fs_steps_on_a_gpu(tmp_path):
+    """05i's gradients, copied out on a side stream during backward and added up on the host,
+    are 05f's, added up on the GPU: each micro-batch's sum of two bfloat16 numbers is rounded
+    once to bfloat16 on either side, and both step with the same fused Adam on the host. So two
+    steps of 4 micro-batches give the same losses and weights, bit for bit; a copy read before it
+    finished, or a gradient lost, would not."""
+    runs = {}
+    for name in ("05f", "05i"):
+        record, meter = run_script(name, ON_GPU, tmp_path / name)
+        runs[name] = record, [param.detach().cpu() for param in meter.model.parameters()]
+    assert runs["05i"][0]["losses"] == runs["05f"][0]["losses"]
+    for ours, theirs in zip(runs["05i"][1], runs["05f"][1], strict=True):
+        assert torch.equal(ours, theirs)
+
+
 # the band of measured / predicted allocated bytes over the two tracked steps: 2% either way for
 # what the estimate leaves out at under 1% of a step each (estimate/gpu_choices.py), plus one
 # library workspace it does not model (17.5 MiB more on an H200 for 01 on tiny, likely cuDNN's

@@ -60,12 +60,13 @@ def test_every_architecture_is_estimated_by_blocks_to_the_byte(name, tmp_path,
 
 
 # a script of each kind of trace: every micro-batch at once, the step in backward, recomputation,
-# offload, the host's optimizer, the chunked loss, 4 bits, FSDP (plain and checkpointed), and
-# the runs that stay whole; the others (02, 03, 04b, 05, 05a, 06, 07a, 08) change dtypes or an
+# offload, the host's optimizer (its gradients sent after backward, or as made), the chunked
+# loss, the fused loss (its gradients made in forward), 4 bits, FSDP (plain and checkpointed),
+# and the runs that stay whole; the others (02, 03, 04b, 05, 05a, 06, 07a, 08) change dtypes or an
 # optimizer's state within these traces' shapes, and were checked on Llama-3.2-1B (the note)
 @pytest.mark.parametrize("script, switches", [
-    *((step, []) for step in ("01", "04a", "05b", "05c", "05d", "05e", "05f", "05g", "07", "07b",
-                              "09")),
+    *((step, []) for step in ("01", "04a", "05b", "05c", "05d", "05e", "05f", "05g", "05h", "05i",
+                              "07", "07b", "09")),
     ("10", ["--accum-steps", "4", "--optimizer", "adamw-8bit", "--checkpointing", "selective",
             "--loss", "chunked"]),
     ("10", ["--optimizer-on-host", "--lora-rank", "4", "--qlora"]),

@@ -1,0 +1,138 @@
+"""05h fused loss: 05g with the output layer, the loss and their gradients in one pass of forward.
+
+An autograd.Function takes the sequence LOSS_CHUNKS pieces at a time: each piece's logits, its
+loss and at once its gradients with respect to the hidden states and the output layer's weight.
+It keeps only those gradients; backward scales them. The output layer runs once (05g runs it
+twice) and no logits outlive their piece. For --task causal-lm only (its default).
+
+  python %(prog)s                                  # tiny-text, causal-lm: offline, a small decoder
+  python %(prog)s --model DIR --seq-len 2048 --estimate  # a decoder's config: predicted GPU memory
+"""
+import torch
+import torch.nn.functional as F  # chunked loss
+
+# --estimate runs main() on fake tensors with stand-ins for these names (no data, no download):
+# keep importing them by name. The list and the reasons: estimate/contract.py.
+from common.cli import parse_args
+from common.data import IGNORED, load_data, split_batch, to_device  # chunked loss: IGNORED
+from common.evaluate import evaluate
+from common.memory import MemoryMeter, measure_creation
+from common.model import create_model
+from common.presets import preset_for
+from common.progress import Progress
+from common.quirks import check_output_layer_without_bias, check_plain_output_layer  # fused loss
+from common.summary import report
+
+DTYPE = torch.bfloat16  # bf16-true: weights, gradients, optimizer state and activations
+LOSS_CHUNKS = 8  # chunked loss: pieces of the sequence whose logits exist one at a time
+
+
+class FusedLinearCrossEntropy(torch.autograd.Function):  # fused loss
+    """The mean next-token loss over head(hidden)'s logits; forward computes its gradients too."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, with_gradients):
+        kept = targets != IGNORED  # the predicted positions
+        count = kept.sum()
+        loss = torch.zeros((), device=hidden.device)
+        grad_hidden = torch.empty_like(hidden)
+        trains_weight = with_gradients and ctx.needs_input_grad[1]  # not a frozen output layer's
+        grad_weight = torch.zeros_like(weight) if trains_weight else None  # held until backward
+        for piece, piece_targets, piece_kept, piece_grad in zip(
+                *(tensor.tensor_split(LOSS_CHUNKS, dim=1) for tensor in
+                  (hidden, targets.clamp(min=0).unsqueeze(-1), kept.unsqueeze(-1), grad_hidden))):
+            logits = (piece @ weight.T).float()  # this piece's logits, upcast as the model's loss
+            normalizer = logits.logsumexp(-1, keepdim=True)
+            loss += ((normalizer - logits.gather(-1, piece_targets)) * piece_kept).sum()
+            if not with_gradients:  # evaluation: the loss alone
+                continue
+            grad = logits.sub_(normalizer).exp_()  # softmax, in the logits' place
+            grad.scatter_add_(-1, piece_targets, -piece_kept.float())  # minus the one-hot target
+            grad = grad.mul_(piece_kept / count).to(weight.dtype)  # of the mean; none where IGNORED
+            piece_grad.copy_(grad @ weight)
+            if trains_weight:  # vocabulary x hidden, summed over the pieces
+                grad_weight.addmm_(grad.flatten(0, 1).T, piece.flatten(0, 1))
+        ctx.save_for_backward(grad_hidden, grad_weight)
+        return loss / count
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        grad_hidden, grad_weight = ctx.saved_tensors  # the loss's gradients, made in forward
+        return (grad_hidden * grad_loss, None if grad_weight is None else grad_weight * grad_loss,
+                None, None)
+
+
+def fused_loss(model, inputs, labels):  # fused loss
+    """model(**inputs, labels=labels).loss, with the output layer and the loss fused: no logits
+    outlive their piece, and the output layer runs once."""
+    hidden = model.base_model(**inputs).last_hidden_state  # the blocks' output, before the head
+    targets = F.pad(labels[:, 1:], (0, 1), value=IGNORED)  # position t predicts token t + 1
+    return FusedLinearCrossEntropy.apply(  # fused loss
+        hidden, model.get_output_embeddings().weight, targets, torch.is_grad_enabled())
+
+
+def train_step(model, optimizer, inputs, labels, device, accum_steps):  # gradient accumulation
+    """One optimizer step on one batch; returns the loss."""
+    # gradient accumulation: equal micro-batches, one at a time; their gradients add up in .grad
+    micro_size = len(labels) // accum_steps
+    micro_batches = split_batch(inputs, labels, micro_size)
+    batch_loss = 0.0
+    for micro_inputs, micro_labels in micro_batches:
+        micro_inputs = to_device(micro_inputs, device, DTYPE)  # bf16-true: bfloat16 images
+        micro_labels = micro_labels.to(device)
+        loss = fused_loss(model, micro_inputs, micro_labels) / len(micro_batches)  # fused loss
+        loss.backward()
+        batch_loss += loss.detach().float()  # the record's loss, summed in float32
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return batch_loss  # gradient accumulation: the whole batch's mean loss
+
+
+def train(args, device):
+    preset = preset_for(args)  # the preset, with --model's model in place of its own if named
+    torch.manual_seed(args.seed)
+
+    data = load_data(preset, args.batch_size, device, seed=args.seed)
+    total_steps = args.epochs * len(data.train)  # optimizer steps; the last partial batch is dropped
+    if args.max_steps:
+        total_steps = min(total_steps, args.max_steps)
+
+    with measure_creation(device) as creation:
+        model = create_model(preset).to(device, DTYPE)  # bf16-true
+    check_plain_output_layer(model.config, "Train it with 04_grad_accum.py")  # chunked loss
+    check_output_layer_without_bias(model, "Train it with 05g_chunked_loss.py")  # fused loss
+    if args.compile:  # fused kernels, generated by the first call (seconds to minutes), then reused
+        model.base_model.compile()  # chunked loss: the blocks (the loss runs outside forward)
+    optimizer = torch.optim.Adam(model.parameters(), lr=args.lr or preset.lr)
+
+    meter = MemoryMeter(device, model, optimizer)  # the peak of the first steps, by what it holds
+    progress = Progress(total_steps)  # progress lines, the losses and the training clock
+    model.train()
+    for epoch in range(args.epochs):
+        for inputs, labels in data.train:
+            with meter.step():
+                loss = train_step(model, optimizer, inputs, labels, device,  # gradient accumulation
+                                  args.accum_steps)
+            progress.step(epoch, loss)
+            if progress.steps == total_steps:
+                break
+        score = evaluate(model, data.val, device, DTYPE, fused_loss)  # bf16-true, fused loss
+        progress.epoch(epoch, args.epochs, score)  # chunked loss
+        if progress.steps == total_steps:
+            break
+    test_score = evaluate(model, data.test, device, DTYPE, fused_loss)  # bf16-true, fused loss
+    return report(args, __file__, creation, meter, progress, test_score)
+
+
+def main(argv=None):
+    args = parse_args(__doc__, argv, task="causal-lm",  # chunked loss: its only task
+                      accum_steps=4)  # gradient accumulation: --accum-steps
+    if args.estimate:  # predict instead: this script's main() on fake tensors (estimate/)
+        from estimate import estimate
+        return estimate(__file__, argv)
+    return train(args, args.device)
+
+
+if __name__ == "__main__":
+    from common.cli import run_main  # Ctrl-C: one line instead of a traceback
+    run_main(main)

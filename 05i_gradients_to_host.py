@@ -1,0 +1,134 @@
+"""05i gradients to host: 05f with each gradient sent to host memory as soon as backward makes it.
+
+05f copies the gradients out after backward, so the device still holds every one at its end.
+Here a hook on each weight copies its gradient out the moment backward has finished it, and
+frees it on the device; on a GPU the copies run on a side stream, beside backward. With
+accumulation the micro-batches' gradients add up in host memory. On a CPU the host is the device.
+
+  python %(prog)s                                  # tiny preset: offline, about 30 s on a laptop CPU
+  python %(prog)s --preset tiny-text               # text: a pretrained MiniLM on movie reviews
+  python %(prog)s --estimate                       # predict peak GPU memory without a GPU
+"""
+import torch
+
+# --estimate runs main() on fake tensors with stand-ins for these names (no data, no download):
+# keep importing them by name. The list and the reasons: estimate/contract.py.
+from common.cli import parse_args
+from common.data import load_data, split_batch, to_device
+from common.evaluate import evaluate
+from common.memory import HOST, MemoryMeter, measure_creation
+from common.model import create_model
+from common.presets import preset_for
+from common.progress import Progress
+from common.summary import report
+
+DTYPE = torch.bfloat16  # bf16-true: weights, gradients, optimizer state and activations
+
+
+class GradientsToHost:  # gradients to host
+    """A hook on each weight that copies its gradient to host memory as soon as backward has
+    finished it, and frees it on the device; add_up() adds a micro-batch's into the host
+    weights' .grad, where Adam reads them."""
+
+    def __init__(self, weights, host_weights, device):
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None  # copies out
+        self.arrived = []  # (host copy of a gradient, its host weight), this micro-batch's
+        for weight, host_weight in zip(weights, host_weights):
+            weight.register_post_accumulate_grad_hook(
+                lambda weight, host_weight=host_weight: self.to_host(weight, host_weight))
+
+    def to_host(self, weight, host_weight):
+        if self.stream is None:  # a CPU: copied all the same, so the estimate sees it move
+            self.arrived.append((weight.grad.to(HOST, copy=True), host_weight))
+        else:
+            self.stream.wait_stream(torch.cuda.current_stream())  # once the gradient is complete
+            with torch.cuda.stream(self.stream):  # beside backward's next kernels
+                host = torch.empty(weight.shape, dtype=weight.dtype, device=HOST, pin_memory=True)
+                host.copy_(weight.grad, non_blocking=True)
+            weight.grad.record_stream(self.stream)  # its memory is reused only after the copy
+            self.arrived.append((host, host_weight))
+        weight.grad = None  # freed on the device while backward goes on
+
+    def add_up(self):
+        """After a micro-batch's backward: wait for its copies, then add them up on the host."""
+        if self.stream is not None:
+            self.stream.synchronize()
+        for host, host_weight in self.arrived:
+            if host_weight.grad is None:
+                host_weight.grad = host
+            else:
+                host_weight.grad += host  # accumulation, in host memory
+        self.arrived.clear()
+
+
+def train_step(model, optimizer, to_host, inputs, labels, device,  # gradients to host: to_host
+               accum_steps):  # gradient accumulation
+    """One optimizer step on one batch; returns the loss."""
+    # gradient accumulation: equal micro-batches, one at a time; their gradients add up in .grad
+    micro_size = len(labels) // accum_steps
+    micro_batches = split_batch(inputs, labels, micro_size)
+    batch_loss = 0.0
+    for micro_inputs, micro_labels in micro_batches:
+        micro_inputs = to_device(micro_inputs, device, DTYPE)  # bf16-true: bfloat16 images
+        micro_labels = micro_labels.to(device)
+        loss = model(**micro_inputs, labels=micro_labels).loss / len(micro_batches)  # mean over the batch
+        loss.backward()  # gradients to host: each gradient leaves as backward finishes it
+        to_host.add_up()  # gradients to host: a wait for the copies, then the sums on the host
+        batch_loss += loss.detach().float()  # the record's loss, summed in float32
+    host_weights = optimizer.param_groups[0]["params"]  # Adam on the host
+    optimizer.step()
+    for weight, host_weight in zip(model.parameters(), host_weights):  # Adam on the host
+        weight.detach().copy_(host_weight, non_blocking=True)  # the updated weight comes back
+    optimizer.zero_grad(set_to_none=True)
+    return batch_loss  # gradient accumulation: the whole batch's mean loss
+
+
+def train(args, device):
+    preset = preset_for(args)  # the preset, with --model's model in place of its own if named
+    torch.manual_seed(args.seed)
+
+    data = load_data(preset, args.batch_size, device, seed=args.seed)
+    total_steps = args.epochs * len(data.train)  # optimizer steps; the last partial batch is dropped
+    if args.max_steps:
+        total_steps = min(total_steps, args.max_steps)
+
+    with measure_creation(device) as creation:
+        model = create_model(preset).to(device, DTYPE)  # bf16-true
+    if args.compile:  # fused kernels, generated by the first call (seconds to minutes), then reused
+        model.compile()  # in place: the same module, parameters and state_dict names
+    # Adam on the host: a host copy of each weight, which Adam updates, its state beside it
+    # (pinned on a GPU: copies to and fro are queued, not waited for)
+    host_weights = [weight.detach().to(HOST, copy=True, non_blocking=True) for weight in model.parameters()]
+    # Adam on the host: a GPU's host steps with its fused kernel; a CPU (the host) with 04's
+    optimizer = torch.optim.Adam(host_weights, lr=args.lr or preset.lr, fused=device.type == "cuda" or None)
+
+    to_host = GradientsToHost(model.parameters(), host_weights, device)  # gradients to host
+    meter = MemoryMeter(device, model, optimizer)  # the peak of the first steps, by what it holds
+    progress = Progress(total_steps)  # progress lines, the losses and the training clock
+    model.train()
+    for epoch in range(args.epochs):
+        for inputs, labels in data.train:
+            with meter.step():
+                loss = train_step(model, optimizer, to_host, inputs, labels,  # gradients to host
+                                  device, args.accum_steps)  # gradient accumulation
+            progress.step(epoch, loss)
+            if progress.steps == total_steps:
+                break
+        progress.epoch(epoch, args.epochs, evaluate(model, data.val, device, DTYPE))  # bf16-true
+        if progress.steps == total_steps:
+            break
+    test_score = evaluate(model, data.test, device, DTYPE)  # bf16-true: bfloat16 inputs
+    return report(args, __file__, creation, meter, progress, test_score)
+
+
+def main(argv=None):
+    args = parse_args(__doc__, argv, accum_steps=4)  # gradient accumulation: --accum-steps
+    if args.estimate:  # predict instead: this script's main() on fake tensors (estimate/)
+        from estimate import estimate
+        return estimate(__file__, argv)
+    return train(args, args.device)
+
+
+if __name__ == "__main__":
+    from common.cli import run_main  # Ctrl-C: one line instead of a traceback
+    run_main(main)
