@@ -201,34 +201,38 @@ class FusedLinearCrossEntropy(torch.autograd.Function):  # fused loss
 
     @staticmethod
     def forward(ctx, hidden, weight, targets, with_gradients):
-        kept = targets != IGNORED  # the predicted positions
+        tokens, targets = hidden.flatten(0, 1), targets.flatten()  # every token of the batch
+        kept = (targets != IGNORED).unsqueeze(-1)  # the predicted positions
         count = kept.sum()
         loss = torch.zeros((), device=hidden.device)
-        grad_hidden = torch.empty_like(hidden)
+        grad_tokens = torch.empty_like(tokens) if with_gradients else None
         trains_weight = with_gradients and ctx.needs_input_grad[1]  # not a frozen output layer's
         grad_weight = torch.zeros_like(weight) if trains_weight else None  # held until backward
-        for piece, piece_targets, piece_kept, piece_grad in zip(
-                *(tensor.tensor_split(LOSS_CHUNKS, dim=1) for tensor in
-                  (hidden, targets.clamp(min=0).unsqueeze(-1), kept.unsqueeze(-1), grad_hidden))):
+        size = -(-len(tokens) // LOSS_CHUNKS)  # tokens in a piece (the last may have fewer)
+        for start in range(0, len(tokens), size):
+            piece, piece_kept = tokens[start:start + size], kept[start:start + size]
+            piece_targets = targets[start:start + size].clamp(min=0).unsqueeze(-1)  # IGNORED: any
             logits = (piece @ weight.T).float()  # this piece's logits, upcast as the model's loss
             normalizer = logits.logsumexp(-1, keepdim=True)
             loss += ((normalizer - logits.gather(-1, piece_targets)) * piece_kept).sum()
-            if not with_gradients:  # evaluation: the loss alone
-                continue
-            grad = logits.sub_(normalizer).exp_()  # softmax, in the logits' place
-            grad.scatter_add_(-1, piece_targets, -piece_kept.float())  # minus the one-hot target
-            grad = grad.mul_(piece_kept / count).to(weight.dtype)  # of the mean; none where IGNORED
-            piece_grad.copy_(grad @ weight)
-            if trains_weight:  # vocabulary x hidden, summed over the pieces
-                grad_weight.addmm_(grad.flatten(0, 1).T, piece.flatten(0, 1))
-        ctx.save_for_backward(grad_hidden, grad_weight)
+            if with_gradients:  # (evaluation: the loss alone)
+                grad = logits.sub_(normalizer).exp_()  # softmax, in the logits' place
+                grad.scatter_add_(-1, piece_targets, -piece_kept.float())  # minus the one-hot
+                grad = grad.mul_(piece_kept / count).to(weight.dtype)  # of the mean; 0 if IGNORED
+                torch.mm(grad, weight, out=grad_tokens[start:start + size])
+                if trains_weight:  # vocabulary x hidden, summed over the pieces
+                    grad_weight.addmm_(grad.T, piece)
+                del grad
+            del logits  # freed before the next piece's are made
+        ctx.save_for_backward(grad_tokens, grad_weight)
+        ctx.shape = hidden.shape
         return loss / count
 
     @staticmethod
     def backward(ctx, grad_loss):
-        grad_hidden, grad_weight = ctx.saved_tensors  # the loss's gradients, made in forward
-        return (grad_hidden * grad_loss, None if grad_weight is None else grad_weight * grad_loss,
-                None, None)
+        grad_tokens, grad_weight = ctx.saved_tensors  # the loss's gradients, made in forward
+        grad_hidden = grad_tokens.mul_(grad_loss).view(ctx.shape)  # scaled in place: no copy
+        return grad_hidden, None if grad_weight is None else grad_weight.mul_(grad_loss), None, None
 
 
 def fused_loss(model, inputs, labels):  # fused loss
