@@ -6,6 +6,7 @@ It keeps only those gradients; backward scales them. The output layer runs once 
 twice) and no logits outlive their piece. For --task causal-lm only (its default).
 
   python %(prog)s                                  # tiny-text, causal-lm: offline, a small decoder
+  python %(prog)s --preset imdb                    # BLOOM-560m as a language model (GPU and network)
   python %(prog)s --model DIR --seq-len 2048 --estimate  # a decoder's config: predicted GPU memory
 """
 import torch

@@ -6,6 +6,7 @@ frees it on the device; on a GPU the copies run on a side stream, beside backwar
 accumulation the micro-batches' gradients add up in host memory. On a CPU the host is the device.
 
   python %(prog)s                                  # tiny preset: offline, about 30 s on a laptop CPU
+  python %(prog)s --preset article                 # the study: ViT-L/16 on CIFAR-10 (GPU and network)
   python %(prog)s --preset tiny-text               # text: a pretrained MiniLM on movie reviews
   python %(prog)s --estimate                       # predict peak GPU memory without a GPU
 """
