@@ -98,6 +98,79 @@ class AdamStochasticRounding(torch.optim.Optimizer):  # stochastic rounding
                     weight.copy_(stochastic_round(updated))
 
 
+# 4-bit AdamW: the 16 values a code stands for, times its block's scale (the block's largest
+# magnitude). The first moment's are signed and dense near zero (a dynamic exponent map with
+# 3 exponent bits); the second moment's are 1/16 to 1, without zero, which would divide by eps.
+SIGNED = torch.tensor([-0.8875, -0.6625, -0.4375, -0.2125, -0.0775, -0.0325, -0.0055, 0.0,
+                       0.0055, 0.0325, 0.0775, 0.2125, 0.4375, 0.6625, 0.8875, 1.0])
+UNSIGNED = torch.linspace(0, 1, 17)[1:]
+BLOCK = 128  # 4-bit AdamW: weights per scale
+PIECE = 1 << 22  # 4-bit AdamW: weights decoded at a time (float32 temporaries of 16 MB each)
+
+
+def encode(values, bounds):  # 4-bit AdamW: float32 values to codes (two per byte) and scales
+    blocks = values.view(-1, BLOCK)
+    scales = blocks.abs().amax(dim=1).clamp(min=1e-12)
+    codes = torch.bucketize(blocks / scales[:, None], bounds, out_int32=True).to(torch.uint8).view(-1, 2)
+    return codes[:, 0] | (codes[:, 1] << 4), scales
+
+
+def decode(packed, scales, table):  # 4-bit AdamW: codes and scales back to float32 values
+    codes = torch.stack((packed & 15, packed >> 4), dim=1).int()
+    return (table[codes].view(-1, BLOCK) * scales[:, None]).view(-1)
+
+
+class AdamW4bit(torch.optim.Optimizer):  # 4-bit AdamW
+    """Adam (weight decay 0) whose states are 4-bit codes; tensors under 4,096 weights, or not
+    whole blocks, keep float32 states (as 05a's do)."""
+
+    def __init__(self, params, lr, betas=(0.9, 0.999), eps=1e-8):
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps))
+        self.tables = {}  # the code tables on each device the weights are on
+
+    @torch.no_grad()
+    def step(self):
+        for group in self.param_groups:
+            (beta1, beta2), lr, eps = group["betas"], group["lr"], group["eps"]
+            for weight in group["params"]:
+                if weight.grad is not None:
+                    self.step_weight(weight, self.state[weight], beta1, beta2, lr, eps)
+
+    def step_weight(self, weight, state, beta1, beta2, lr, eps):
+        size, device = weight.numel(), weight.device
+        if not state:  # the first step: states of zeros, as codes and scales or as float32
+            state["step"], state["quantized"] = 0, size >= 4096 and size % BLOCK == 0
+            for name in ("exp_avg", "exp_avg_sq"):
+                if state["quantized"]:
+                    state[name] = torch.zeros(size // 2, dtype=torch.uint8, device=device)
+                    state[name + "_scales"] = torch.zeros(size // BLOCK, device=device)
+                else:
+                    state[name] = torch.zeros(size, device=device)
+        state["step"] += 1
+        correction1, correction2 = 1 - beta1 ** state["step"], 1 - beta2 ** state["step"]
+        if device not in self.tables:  # copied once: each copy to a GPU would wait for it
+            tables = [table.to(device, copy=True) for table in (SIGNED, UNSIGNED)]
+            # each with the bounds halfway between its neighbours: the nearest value wins
+            self.tables[device] = [(table, (table[1:] + table[:-1]) / 2) for table in tables]
+        (signed, signed_bounds), (unsigned, unsigned_bounds) = self.tables[device]
+        flat, grad = weight.view(-1), weight.grad.reshape(-1)
+        for start in range(0, size, PIECE):  # a piece at a time: float32 temporaries of a piece
+            end = min(start + PIECE, size)
+            codes, scales = slice(start // 2, end // 2), slice(start // BLOCK, end // BLOCK)
+            if state["quantized"]:
+                m = decode(state["exp_avg"][codes], state["exp_avg_scales"][scales], signed)
+                v = decode(state["exp_avg_sq"][codes], state["exp_avg_sq_scales"][scales], unsigned)
+            else:  # views of the float32 states, updated in place
+                m, v = state["exp_avg"][start:end], state["exp_avg_sq"][start:end]
+            g = grad[start:end].float()
+            m.lerp_(g, 1 - beta1)
+            v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+            update = (m / correction1).div_(v.sqrt().div_(correction2 ** 0.5).add_(eps))
+            flat[start:end] = flat[start:end].float().sub_(update, alpha=lr)
+            if state["quantized"]:  # encoded back into the same bytes
+                state["exp_avg"][codes], state["exp_avg_scales"][scales] = encode(m, signed_bounds)
+                state["exp_avg_sq"][codes], state["exp_avg_sq_scales"][scales] = encode(v, unsigned_bounds)
+
 ATEN = torch.ops.aten  # selective checkpointing: the operators whose outputs forward keeps
 # the weights' products and the attention kernels; not bmm or baddbmm, which make the score
 # matrices (batch x heads x tokens x tokens) of a model's own attention code (BLOOM's), 05c's saving
@@ -328,6 +401,8 @@ def make_optimizer(weights, args, preset):
         return torch.optim.Adafactor(weights, lr=lr)  # Adafactor: relative
     if args.optimizer == "adamw-8bit":
         return AdamW8bit(weights, lr=lr, weight_decay=0.0)  # 8-bit AdamW
+    if args.optimizer == "adamw-4bit":
+        return AdamW4bit(weights, lr=lr)  # 4-bit AdamW
     if args.stochastic_rounding:
         return AdamStochasticRounding(weights, lr=lr)  # stochastic rounding
     fused = args.optimizer_on_host and args.device.type == "cuda"  # Adam on the host: fused there
@@ -554,9 +629,9 @@ def switches(parser):
                              "bf16: the whole model in bfloat16 (03, default)")
     parser.add_argument("--stochastic-rounding", action="store_true",
                         help="Adam's step rounded into bfloat16 at random (04b)")
-    parser.add_argument("--optimizer", choices=["adam", "adamw-8bit", "adafactor", "sgd"],
-                        default="adam", help="adam (default), adamw-8bit (05a), adafactor (05b), "
-                                             "sgd: plain SGD with cosine decay (05)")
+    parser.add_argument("--optimizer", choices=["adam", "adamw-8bit", "adamw-4bit", "adafactor", "sgd"],
+                        default="adam", help="adam (default), adamw-8bit (05a), adamw-4bit (05j), "
+                                             "adafactor (05b), sgd: plain SGD with cosine decay (05)")
     parser.add_argument("--optimizer-on-host", action="store_true",
                         help="the optimizer's state and step in host memory (05f)")
     parser.add_argument("--gradients-to-host", action="store_true",
@@ -617,10 +692,11 @@ def refusal(args):
     if args.stochastic_rounding and launched_sharded(args):
         return (f"--stochastic-rounding with {sharded}: its float32 work views each weight "
                 "whole, and a sharded weight is a DTensor of shards; use --optimizer adam")
-    if args.optimizer in ("adamw-8bit", "adafactor") and launched_sharded(args):
+    if args.optimizer in ("adamw-8bit", "adamw-4bit", "adafactor") and launched_sharded(args):
         return (f"--optimizer {args.optimizer} with {sharded}: its step has no rule for "
-                "sharded weights (DTensor): bitsandbytes' kernels, Adafactor's in-place row and "
-                "column statistics; use --optimizer adam or sgd")
+                "sharded weights (DTensor): bitsandbytes' kernels, 4-bit AdamW's blocks of a "
+                "whole weight, Adafactor's in-place row and column statistics; use --optimizer "
+                "adam or sgd")
     if args.gradients_to_host and not args.optimizer_on_host:
         return ("--gradients-to-host without --optimizer-on-host: it sends each gradient to the "
                 "host's optimizer; add --optimizer-on-host")

@@ -4,8 +4,8 @@ largest micro-batch it fits (fit.py's search on 10_combined.py) and the command 
 
 The chain and the reason for its order live here, as data: CHAIN, its GROUPS, and COST, the
 rates the cost model assumes. Exact techniques come first, by the time they add to a step
-(counted recomputation FLOPs at COST's GPU rate); then 8-bit AdamW, which changes the optimizer's
-arithmetic; then Adam stepped in backward, which takes no time but gives up accumulation (the
+(counted recomputation FLOPs at COST's GPU rate); then 8-bit and 4-bit AdamW, which change the
+optimizer's arithmetic; then Adam stepped in backward, which takes no time but gives up accumulation (the
 micro-batch becomes the batch); then what moves bytes over PCIe each step (activations, the
 optimizer's state and step), then the weights too. Within a group the links are ordered by the
 seconds the cost model gives them for the model asked about (activation offloading's bytes
@@ -28,6 +28,9 @@ COST = {"gpu_flops": 150e12,  # bfloat16 matrix products actually reached (an A1
         "host_bytes_per_s": 50e9,  # host memory for the optimizer's step on the host
         "elementwise_forward": 0.1,  # selective: the operators between matrix products, of a forward's time
         "adam_bytes_per_parameter": 16,  # read and written by a step on the host (float32 state)
+        "gpu_bytes_per_s": 1.5e12,  # an A100 80GB's 2.0 TB/s as element-wise kernels reach it
+        # read and written by 05j's step, its operators' inputs and outputs (tests/estimate/test_stack.py)
+        "adamw_4bit_bytes_per_parameter": 278,
         }
 
 
@@ -60,16 +63,19 @@ CHAIN = (
          "the blocks' forward again: 1.0 forward (2 x parameters FLOPs a token)"),
     Link("8-bit AdamW", (("--optimizer", "adamw-8bit"),),
          "no time to speak of, but the state is quantized: the first inexact link", group=1),
+    Link("4-bit AdamW", (("--optimizer", "adamw-4bit"),),
+         "its plain-PyTorch step reads and writes ~278 bytes a parameter on the GPU; the state "
+         "quantized to 4 bits", group=1),
     Link("optimizer in backward", (("--optimizer-in-backward", True),),
          "no time, but no accumulation: the micro-batch is the batch", group=2),
     Link("activation offloading", (("--checkpointing", "offloaded"),),
          "each block's input over PCIe out and back (2 x layers x tokens x hidden x 2 bytes), "
          "overlapped with compute", group=3),
-    Link("optimizer on the host", (("--optimizer-on-host", True),),
-         "gradients down and weights up over PCIe (4 bytes a parameter) and Adam on the host",
-         group=3),
+    Link("optimizer on the host", (("--optimizer-on-host", True), ("--optimizer", "adamw-8bit")),
+         "gradients down and weights up over PCIe (4 bytes a parameter) and Adam on the host; "
+         "8-bit there (bitsandbytes' CPU step takes half 4-bit's time)", group=3),
     Link("gradients to host", (("--gradients-to-host", True), ("--optimizer-on-host", True),
-                               ("--optimizer-in-backward", REMOVE)),
+                               ("--optimizer", "adamw-8bit"), ("--optimizer-in-backward", REMOVE)),
          "the same bytes as the optimizer on the host, each gradient as backward makes it, "
          "so accumulation comes back with no gradient held on the GPU", group=3,
          gives_back="accumulation again"),
@@ -90,6 +96,7 @@ def step_seconds(link, parameters, tokens, layers, hidden, vocabulary, micro_bat
     pcie = COST["pcie_bytes_per_s"]
     return {"bf16": 0.0, "8-bit AdamW": 0.0, "optimizer in backward": 0.0,
             "fused loss": 0.0,
+            "4-bit AdamW": parameters * COST["adamw_4bit_bytes_per_parameter"] / COST["gpu_bytes_per_s"],
             "selective checkpointing": COST["elementwise_forward"] * forward,
             "full checkpointing": forward,
             "activation offloading": 2 * layers * tokens * hidden * 2 / pcie,
@@ -163,7 +170,8 @@ class Answer:
 
 WEIGHT_BYTES = 2  # a parameter's bytes: the chain trains 10_combined.py's bfloat16 weights
 STATE_BYTES = {"adam": 2 * WEIGHT_BYTES,  # Adam's two moments, in the weights' dtype
-               "adamw-8bit": 2}           # two moments of one byte (more in tensors too small to quantize)
+               "adamw-8bit": 2,           # two moments of one byte (more in tensors too small to quantize)
+               "adamw-4bit": 1 + 8 / 128}  # two of half a byte, a float32 scale per 128 weights each
 
 
 def resident_bytes(switches, parameters):

@@ -1,5 +1,6 @@
 """The branches' claims: 04a (optimizer in backward) takes 03's step and never holds the whole
-model's gradients; 05a (8-bit AdamW) and 05b (Adafactor) keep the state they promise, and learn."""
+model's gradients; 05a (8-bit AdamW), 05j (4-bit AdamW) and 05b (Adafactor) keep the state they
+promise, and learn."""
 import re
 
 import pytest
@@ -112,6 +113,65 @@ def test_8bit_adamw_keeps_two_bytes_per_weight_in_large_tensors(runs):
     assert sum(sizes[param] for param in large) / sum(param.numel() for param in large) < 2.1
 
 
+def test_4bit_adamw_keeps_about_one_byte_per_weight_in_large_tensors(runs):
+    _, meter = runs("05j", LEARNING)
+    sizes = optimizer_state_bytes(meter.optimizer)
+    block = load_script("05j").BLOCK
+    large = [param for param in sizes if param.numel() >= 4096 and param.numel() % block == 0]
+    assert large and len(large) < len(sizes)
+    coded_ids = {id(param) for param in large}
+    for param in sizes:  # two states of 4-bit codes, two to a byte, and a float32 scale per block
+        coded = 2 * (param.numel() // 2 + 4 * param.numel() // block)
+        assert sizes[param] == (coded if id(param) in coded_ids else 8 * param.numel()), tuple(param.shape)
+    assert sum(sizes[param] for param in large) / sum(param.numel() for param in large) == 1 + 8 / block
+
+
+@pytest.mark.numerical
+def test_4bit_codes_stand_for_the_nearest_value_of_their_table():
+    """Each value comes back as the table's value nearest to it, times its block's scale (the
+    block's largest magnitude), for blocks of sizes 1e-6 to 1: the two roundings (dividing by the
+    scale, multiplying back) are the only other error."""
+    module = load_script("05j")
+    generator = torch.Generator().manual_seed(0)
+    sizes = torch.logspace(-6, 0, 64).repeat_interleave(module.BLOCK)
+    values = torch.randn(64 * module.BLOCK, generator=generator) * sizes
+    for table, data in ((module.SIGNED, values), (module.UNSIGNED, values.abs())):
+        codes, scales = module.encode(data, (table[1:] + table[:-1]) / 2)  # halfway bounds
+        assert codes.dtype == torch.uint8 and codes.numel() == data.numel() // 2
+        assert torch.equal(scales, data.view(-1, module.BLOCK).abs().amax(dim=1))
+        decoded = module.decode(codes, scales, table)
+        scale = scales.repeat_interleave(module.BLOCK)
+        nearest = ((data / scale)[:, None] - table).abs().amin(dim=1) * scale
+        assert ((decoded - data).abs() <= nearest + 4 * 2.0**-24 * scale).all()
+        assert set(torch.cat([codes & 15, codes >> 4]).tolist()) <= set(range(16))
+
+
+@pytest.mark.numerical
+def test_4bit_adamws_first_step_is_adams_and_its_small_tensors_step_as_adam():
+    """From states of zero, the first update is made before any state is coded: Adam's, within
+    the rounding of its few operations. Tensors kept in float32 go on stepping as Adam."""
+    module = load_script("05j")
+    torch.manual_seed(0)
+    weights = [torch.nn.Parameter(torch.randn(64, 128)), torch.nn.Parameter(torch.randn(100))]
+    copies = [torch.nn.Parameter(weight.detach().clone()) for weight in weights]
+    ours, adam = module.AdamW4bit(weights, lr=1e-2), torch.optim.Adam(copies, lr=1e-2)
+    u, bound = 2.0**-24, [0, 0]  # the rounding the weights' difference may have gathered
+    for step in range(3):
+        before = [copy.detach().clone() for copy in copies]
+        for weight, copy in zip(weights, copies):
+            weight.grad = torch.randn_like(weight)
+            copy.grad = weight.grad.clone()
+        ours.step()
+        adam.step()
+        for index, (copy, old) in enumerate(zip(copies, before)):  # about ten roundings of the
+            moved = (copy.detach() - old).abs()                    # update, one of the weight
+            bound[index] = bound[index] + 16 * u * moved + 2 * u * copy.detach().abs()
+        assert ((weights[1] - copies[1]).abs() <= bound[1]).all(), step
+        if step == 0:
+            assert ((weights[0] - copies[0]).abs() <= bound[0]).all()
+    assert not torch.equal(weights[0], copies[0])  # the coded states differ from Adam's after
+
+
 def test_adafactor_keeps_rows_plus_columns_for_a_matrix(runs):
     _, meter = runs("05b", LEARNING)
     for param, state in meter.optimizer.state.items():
@@ -124,7 +184,7 @@ def test_adafactor_keeps_rows_plus_columns_for_a_matrix(runs):
         assert kept == expected, (tuple(param.shape), {n: v.shape for n, v in state.items()})
 
 
-@pytest.mark.parametrize("name", ["05a", "05b"])
+@pytest.mark.parametrize("name", ["05a", "05j", "05b"])
 def test_a_few_steps_of_the_leaner_optimizers_lower_the_loss(name, runs):
     record, _ = runs(name, LEARNING)
     losses = record["losses"]

@@ -53,6 +53,7 @@ ADAPTED_LINES = {
     "return torch.optim.SGD(weights, lr=lr)": "make_optimizer: the optimizer over `weights`",
     "return torch.optim.Adafactor(weights, lr=lr)": "make_optimizer",
     "return AdamW8bit(weights, lr=lr, weight_decay=0.0)": "make_optimizer",
+    "return AdamW4bit(weights, lr=lr)": "make_optimizer",
     "return AdamStochasticRounding(weights, lr=lr)": "make_optimizer",
     "return preset.sgd_lr": "learning_rate: each script's default rate",
     "return 0.01": "learning_rate",
@@ -254,8 +255,8 @@ GROUPS = [
     {"fp32": ["--precision", "fp32"], "mixed": ["--precision", "mixed"]},
     {"stochastic-rounding": ["--stochastic-rounding"]},
     {"accum": ["--accum-steps", "2"]},
-    {"adamw-8bit": ["--optimizer", "adamw-8bit"], "adafactor": ["--optimizer", "adafactor"],
-     "sgd": ["--optimizer", "sgd"]},
+    {"adamw-8bit": ["--optimizer", "adamw-8bit"], "adamw-4bit": ["--optimizer", "adamw-4bit"],
+     "adafactor": ["--optimizer", "adafactor"], "sgd": ["--optimizer", "sgd"]},
     {"on-host": ["--optimizer-on-host"],
      "to-host": ["--optimizer-on-host", "--gradients-to-host"]},
     {"in-backward": ["--optimizer-in-backward"]},
@@ -279,6 +280,8 @@ REFUSED = {
     frozenset({"stochastic-rounding", "mixed"}): "--stochastic-rounding with --precision mixed",
     frozenset({"stochastic-rounding", "adamw-8bit"}):
         "--stochastic-rounding with --optimizer adamw-8bit",
+    frozenset({"stochastic-rounding", "adamw-4bit"}):
+        "--stochastic-rounding with --optimizer adamw-4bit",
     frozenset({"stochastic-rounding", "adafactor"}): "--stochastic-rounding with --optimizer adafactor",
     frozenset({"stochastic-rounding", "sgd"}): "--stochastic-rounding with --optimizer sgd",
     frozenset({"on-host", "offload"}): "--optimizer-on-host with --offload",
@@ -287,6 +290,7 @@ REFUSED = {
     frozenset({"to-host", "mixed"}): "--optimizer-on-host with --precision mixed",
     frozenset({"stochastic-rounding", "offload"}): "--stochastic-rounding with --offload",
     frozenset({"adamw-8bit", "offload"}): "--optimizer adamw-8bit with --offload",
+    frozenset({"adamw-4bit", "offload"}): "--optimizer adamw-4bit with --offload",
     frozenset({"adafactor", "offload"}): "--optimizer adafactor with --offload",
     frozenset({"on-host", "mixed"}): "--optimizer-on-host with --precision mixed",
     frozenset({"chunked", "offload"}): "--loss chunked with --offload",
@@ -390,6 +394,7 @@ def took_effect(name, module, took, record):
         "stochastic-rounding": lambda: isinstance(first, module.AdamStochasticRounding),
         "accum": lambda: record["accum_steps"] == 2 and took.calls.get("split_batch", 0) >= 2,
         "adamw-8bit": lambda: type(first).__name__ == "AdamW8bit",
+        "adamw-4bit": lambda: isinstance(first, module.AdamW4bit),
         "adafactor": lambda: isinstance(first, torch.optim.Adafactor),
         "sgd": lambda: isinstance(first, torch.optim.SGD),
         "on-host": lambda: took.calls.get("step_on_host", 0) >= 2 and not any(
@@ -473,6 +478,7 @@ STACKS = [
     ("sgd", "offload", "full", "reshard"),  # 09 at ZeRO-2's memory
     ("qlora", "chunked", "offloaded", "accum", "on-host"),
     ("lora", "fused", "to-host", "accum", "selective"),  # a frozen output layer: no gradient made
+    ("adamw-4bit", "to-host", "accum", "offloaded"),  # 4-bit states in host memory
     # the whole stack in one process: each weight's 8-bit AdamW step on the host during
     # backward, activations recomputed from inputs in host memory, the loss fused
     ("fused", "offloaded", "adamw-8bit", "in-backward", "on-host"),

@@ -104,6 +104,18 @@ def test_8bit_adamw_keeps_one_byte_states_on_the_gpu(tmp_path):
 
 
 @requires_cuda
+def test_4bit_adamw_keeps_its_codes_and_tables_on_the_gpu(tmp_path):
+    record, meter = run_script("05j", ON_GPU, tmp_path)
+    states = [value for state in meter.optimizer.state.values() for value in state.values()
+              if torch.is_tensor(value)]
+    assert states and all(state.is_cuda for state in states)
+    assert any(state.dtype == torch.uint8 for state in states)
+    assert all(table.is_cuda for pairs in meter.optimizer.tables.values() for pair in pairs
+               for table in pair)
+    assert record["steps"] == 2 and all(loss == loss for loss in record["losses"])  # not NaN
+
+
+@requires_cuda
 def test_text_trains_on_the_gpu_with_sdpa_and_a_padding_mask(tmp_path, small_snippets):
     record, meter = run_script("03", ["--preset", "tiny-text", *ON_GPU], tmp_path)
     assert meter.model.config._attn_implementation == "sdpa"

@@ -215,3 +215,44 @@ def test_the_whole_stack_is_every_switch_until_a_link_takes_one_out(task, combin
     assert {flag for flag, value in links[stop].sets if value is stack.REMOVE} & set(words)
     _, refused = parsed(combined, ["python", "10_combined.py", "--task", task, *words])
     assert refused is None
+
+
+def test_4bit_adamw_takes_8bits_place_on_the_gpu_and_gives_it_back_on_the_host():
+    """On the GPU the 4-bit state holds half the 8-bit one's bytes; on the host, where its bytes
+    no longer count, the chain goes back to 8-bit AdamW, whose CPU step is the quicker."""
+    links = {link.name: (dict(switches), notes) for link, switches, notes in stack.prefixes("causal-lm")
+             if switches is not None}
+    four_bit, notes = links["4-bit AdamW"]
+    assert four_bit["--optimizer"] == "adamw-4bit" and notes == ["replaces --optimizer adamw-8bit"]
+    assert stack.resident_bytes(four_bit.items(), 10**9) < stack.resident_bytes(
+        links["8-bit AdamW"][0].items(), 10**9)
+    on_host, notes = links["optimizer on the host"]
+    assert on_host["--optimizer"] == "adamw-8bit" and "replaces --optimizer adamw-4bit" in notes[0]
+
+
+def test_the_4bit_links_bytes_a_parameter_are_those_05js_step_moves():
+    """COST's bytes for 4-bit AdamW's step: every input and output of its operators, counted
+    under a dispatch mode for a weight of 2^22 bfloat16 elements, within a tenth."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+
+    class Traffic(TorchDispatchMode):
+        moved = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            tensors = {id(leaf): leaf for leaf in tree_leaves((args, kwargs, out))
+                       if torch.is_tensor(leaf) and leaf.numel() > 16}  # not the code tables
+            self.moved += sum(tensor.nbytes for tensor in tensors.values())
+            return out
+
+    script = import_script(script_path("05j"), prefix="stack_test")
+    weight = torch.nn.Parameter(torch.zeros(1 << 22, dtype=torch.bfloat16))
+    optimizer = script.AdamW4bit([weight], lr=1e-3)
+    weight.grad = torch.randn_like(weight)
+    optimizer.step()  # the states made
+    with Traffic() as traffic:
+        optimizer.step()
+    counted = traffic.moved / weight.numel()
+    assert abs(counted - stack.COST["adamw_4bit_bytes_per_parameter"]) < 0.1 * counted, counted
