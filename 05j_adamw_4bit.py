@@ -32,7 +32,7 @@ SIGNED = torch.tensor([-0.8875, -0.6625, -0.4375, -0.2125, -0.0775, -0.0325, -0.
                        0.0055, 0.0325, 0.0775, 0.2125, 0.4375, 0.6625, 0.8875, 1.0])
 UNSIGNED = torch.linspace(0, 1, 17)[1:]
 BLOCK = 128  # 4-bit AdamW: weights per scale
-PIECE = 1 << 22  # 4-bit AdamW: weights decoded at a time (float32 temporaries of 16 MB each)
+PIECE = 1 << 20  # 4-bit AdamW: weights decoded at a time (float32 temporaries of 4 MB each)
 
 
 def encode(values, bounds):  # 4-bit AdamW: float32 values to codes (two per byte) and scales

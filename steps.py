@@ -30,6 +30,8 @@ class Step:
     removes: tuple = ()     # earlier steps whose technique it takes out on purpose
     synchronizes: bool = False  # its optimizer waits for the GPU once per parameter
     combined: bool = False  # the combined script: every technique behind a switch
+    compiles: bool = False  # always compiled (05k): its estimate is the eager run's, and each
+    #                         run spends tens of seconds compiling on a CPU
     by_hand: str | None = None  # why the estimate cannot run it, and the rule to use instead
 
     @property
@@ -86,6 +88,8 @@ STEPS = {step.id: step for step in [
          switches=(*ACCUM, "--optimizer-on-host", "--gradients-to-host")),
     Step("05j", "4-bit AdamW", "04", accum_steps=4,
          switches=(*ACCUM, "--optimizer", "adamw-4bit")),
+    Step("05k", "memory budget", "04", accum_steps=4, compiles=True,
+         switches=(*ACCUM, "--checkpointing", "budget:0.5")),
     Step("06", "on-device init", "05", accum_steps=4, switches=(*ACCUM, "--optimizer", "sgd")),
     Step("07", "FSDP", "06", sharded=True, accum_steps=4, switches=(*ACCUM, "--optimizer", "sgd")),
     Step("07a", "LoRA", "06", accum_steps=4, removes=("05",), switches=(*ACCUM, "--lora-rank", "8")),
@@ -127,7 +131,7 @@ class UnknownStep(ValueError):
 
 def select(names, task=None):
     """The steps that `names` pick, in tour order: "3", "03", "03_bf16", "03_bf16.py" or a path
-    pick step 03; a bare number also picks its step's branches (05: 05 and 05a-05j); no names
+    pick step 03; a bare number also picks its step's branches (05: 05 and 05a-05k); no names
     pick every step and branch (the combined script only when named). With `task`, steps that
     do not train it are left out. Raises UnknownStep naming the scripts there are, or, when
     every step named trains another task, that task."""

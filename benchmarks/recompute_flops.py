@@ -1,6 +1,6 @@
 """Benchmark: the compute that activation checkpointing adds, counted, not timed.
 
-  python benchmarks/recompute_flops.py [--presets tiny tiny-text article imdb]
+  python benchmarks/recompute_flops.py [--presets tiny tiny-text article imdb] [--budgets 1 0.5 0.25 0]
 
 For each preset it runs one forward and backward of one micro-batch (04's: the preset's batch
 over 04's --accum-steps) on fake tensors (shapes without values, as the estimate runs a script,
@@ -13,6 +13,10 @@ tensor backward needs (the work after it, such as a block's last matrix product,
 05d keeps the outputs of the matrix products and attention, the operators FlopCounterMode counts,
 so what it recomputes (element-wise and normalisation operators) counts as none: its cost is in
 memory traffic, seen in its time, not in FLOPs.
+
+Then, for 05k (the compiler's memory budget), the same micro-batch compiled at each --budgets
+value through AOTAutograd's partition on fake tensors (estimate/compiled.py): the activations its
+forward saves for backward, and what its backward recomputes as a share of the forward.
 """
 import argparse
 import sys
@@ -69,10 +73,22 @@ def fake_forward_backward_flops(preset, size, wrapped_as):
     return forward, backward
 
 
+def budget_partitions(preset, size, budgets):
+    """{budget: estimate.compiled.Partition} of one micro-batch of `size`, 05k's model compiled."""
+    from estimate.compiled import partition
+    with FakeModeReadingZeros(allow_non_fake_inputs=True):
+        model = model_class(preset)._from_config(model_config(preset), dtype=torch.bfloat16)
+        model.train()
+        inputs, labels = micro_batch(preset, size)
+        return {budget: partition(model, inputs, labels, budget) for budget in budgets}
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--presets", nargs="+", choices=list(PRESETS),
                         default=["tiny", "tiny-text", "article", "imdb"])
+    parser.add_argument("--budgets", nargs="*", type=float, default=[1.0, 0.75, 0.5, 0.25, 0.0],
+                        help="05k's memory budgets to partition at (none: skip)")
     args = parser.parse_args(argv)
     accum_steps = STEPS["04"].accum_steps
     print("| preset | micro-batch | forward GFLOP | backward, 04 | backward, 05c | recomputed / forward, "
@@ -88,6 +104,20 @@ def main(argv=None):
               f"{checkpointed / 1e9:,.2f} | {(checkpointed - plain) / forward:.2f} | "
               f"{(forward + checkpointed) / (forward + plain):.2f}x | "
               f"{(selective - plain) / forward:.2f} |", flush=True)
+    if not args.budgets:
+        return
+    print("\n| preset | micro-batch | 05k budget | saved for backward MiB | recomputed / forward |")
+    print("| --- | ---: | ---: | ---: | ---: |")
+    for name in args.presets:
+        preset = PRESETS[name]
+        size = preset.batch_size // accum_steps
+        found = budget_partitions(preset, size, sorted(set(args.budgets) | {1.0}, reverse=True))
+        unbudgeted = found[1.0].forward_flops + found[1.0].backward_flops
+        for budget in args.budgets:
+            each = found[budget]
+            recomputed = each.forward_flops + each.backward_flops - unbudgeted
+            print(f"| {name} | {size} | {budget:g} | {each.saved_bytes / 2**20:,.2f} | "
+                  f"{recomputed / each.forward_flops:.2f} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -38,6 +38,31 @@ def positive_float(text):
     return value
 
 
+def fraction(text):
+    """A number from 0 to 1 (05k's --memory-budget, 10's --checkpointing budget:F)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number from 0 to 1, got {text!r}")
+    if not 0 <= value <= 1:
+        raise argparse.ArgumentTypeError(f"must be from 0 to 1, got {text}")
+    return value
+
+
+CHECKPOINTING = ("none", "full", "selective", "offloaded")
+
+
+def checkpointing_kind(text):
+    """10's --checkpointing: one of CHECKPOINTING, or budget:F with F from 0 to 1 (05k)."""
+    if text in CHECKPOINTING:
+        return text
+    kind, _, value = text.partition(":")
+    if kind != "budget":
+        raise argparse.ArgumentTypeError(f"expected {', '.join(CHECKPOINTING)} or budget:F (F from "
+                                         f"0 to 1), got {text!r}")
+    return f"budget:{fraction(value)}"
+
+
 def unwritable(directory):
     """Why a file cannot be written in --results-dir `directory` (created if missing), in words
     that say what to do, or None: checked before any training, so that a long run never ends

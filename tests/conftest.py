@@ -102,6 +102,16 @@ def pytest_collection_modifyitems(items):
             item.add_marker(pytest.mark.xdist_group(item.module.__name__))
 
 
+@pytest.fixture(autouse=True)
+def memory_budget_restored():
+    """05k and 10's --checkpointing budget:F set the compiler's activation memory budget for the
+    process; a test that runs either in-process leaves the next one the default (1.0)."""
+    import torch._functorch.config
+    before = torch._functorch.config.activation_memory_budget
+    yield
+    torch._functorch.config.activation_memory_budget = before
+
+
 @pytest.fixture
 def small_snippets(monkeypatch):
     """tiny-text trains and evaluates on SMALL_SNIPPET_SPLITS in this test."""

@@ -491,6 +491,28 @@ def test_the_optimizer_in_backward_and_compile_stop_in_one_line(tmp_path, monkey
     assert result.startswith("error: --optimizer-in-backward with --compile:"), result
 
 
+SWITCHES["budget"] = ["--checkpointing", "budget:0.5"]  # compiled: refused pairs only, here
+
+
+@pytest.mark.parametrize("other, refused", [
+    ("in-backward", "--checkpointing budget with --optimizer-in-backward"),
+    ("to-host", "--checkpointing budget with --gradients-to-host"),
+    ("offload", "--checkpointing budget with --offload")])
+def test_the_memory_budget_stops_in_one_line_beside_what_compiling_refuses(other, refused, tmp_path,
+                                                                          monkeypatch):
+    result = run_switches(["budget", other], tmp_path, monkeypatch)
+    assert isinstance(result, str) and "\n" not in result
+    assert result.startswith(f"error: {refused}:"), result
+
+
+@pytest.mark.parametrize("text", ["budget:1.5", "budget:half", "partial"])
+def test_a_checkpointing_kind_it_does_not_know_is_a_usage_error(text, capsys):
+    with pytest.raises(SystemExit) as stopped:
+        load_script(COMBINED).main(["--checkpointing", text])
+    assert stopped.value.code == 2
+    assert "argument --checkpointing:" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("names", STACKS, ids="+".join)
 def test_stacked_switches_train(names, tmp_path, monkeypatch, small_snippets):
     assert_trains(names, run_switches(names, tmp_path, monkeypatch))
