@@ -102,8 +102,9 @@ class AdamStochasticRounding(torch.optim.Optimizer):  # stochastic rounding
 
 # 4-bit AdamW: the 16 values a code stands for, times its block's scale (the block's largest
 # magnitude). The first moment's are signed and dense near zero (a dynamic exponent map with
-# 3 exponent bits); the second moment's are 1/16 to 1, without zero, which would divide by eps.
-SIGNED = torch.tensor([-0.8875, -0.6625, -0.4375, -0.2125, -0.0775, -0.0325, -0.0055, 0.0,
+# 3 exponent bits), with both -1 and 1, so that a block's largest value, either sign, is kept
+# as it is; the second moment's are 1/16 to 1, without zero, which would divide by eps.
+SIGNED = torch.tensor([-1.0, -0.6625, -0.4375, -0.2125, -0.0775, -0.0325, -0.0055, 0.0,
                        0.0055, 0.0325, 0.0775, 0.2125, 0.4375, 0.6625, 0.8875, 1.0])
 UNSIGNED = torch.linspace(0, 1, 17)[1:]
 BLOCK = 128  # 4-bit AdamW: weights per scale
@@ -118,7 +119,7 @@ def encode(values, bounds):  # 4-bit AdamW: float32 values to codes (two per byt
 
 
 def decode(packed, scales, table):  # 4-bit AdamW: codes and scales back to float32 values
-    codes = torch.stack((packed & 15, packed >> 4), dim=1).int()
+    codes = torch.stack((packed & 15, packed >> 4), dim=1).long()  # indices: int64
     return (table[codes].view(-1, BLOCK) * scales[:, None]).view(-1)
 
 

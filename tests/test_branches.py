@@ -130,13 +130,15 @@ def test_4bit_adamw_keeps_about_one_byte_per_weight_in_large_tensors(runs):
 def test_4bit_codes_stand_for_the_nearest_value_of_their_table():
     """Each value comes back as the table's value nearest to it, times its block's scale (the
     block's largest magnitude), for blocks of sizes 1e-6 to 1: the two roundings (dividing by the
-    scale, multiplying back) are the only other error."""
+    scale, multiplying back) are the only other error. Half the blocks' largest values are
+    negative (randn's), which a table without -1 would shrink at every step."""
     module = load_script("05j")
     generator = torch.Generator().manual_seed(0)
     sizes = torch.logspace(-6, 0, 64).repeat_interleave(module.BLOCK)
     values = torch.randn(64 * module.BLOCK, generator=generator) * sizes
     for table, data in ((module.SIGNED, values), (module.UNSIGNED, values.abs())):
-        codes, scales = module.encode(data, (table[1:] + table[:-1]) / 2)  # halfway bounds
+        bounds = (table[1:] + table[:-1]) / 2  # halfway between neighbours
+        codes, scales = module.encode(data, bounds)
         assert codes.dtype == torch.uint8 and codes.numel() == data.numel() // 2
         assert torch.equal(scales, data.view(-1, module.BLOCK).abs().amax(dim=1))
         decoded = module.decode(codes, scales, table)
@@ -144,6 +146,9 @@ def test_4bit_codes_stand_for_the_nearest_value_of_their_table():
         nearest = ((data / scale)[:, None] - table).abs().amin(dim=1) * scale
         assert ((decoded - data).abs() <= nearest + 4 * 2.0**-24 * scale).all()
         assert set(torch.cat([codes & 15, codes >> 4]).tolist()) <= set(range(16))
+        # coded again, decoded values come back unchanged: no block shrinks from step to step
+        # (a block's largest value, of either sign, is a value of the table times its scale)
+        assert torch.equal(module.decode(*module.encode(decoded, bounds), table), decoded)
 
 
 @pytest.mark.numerical

@@ -90,6 +90,10 @@ ADAPTED_LINES = {
     "check_plain_output_layer(model.config, \"Train it with --loss model\")":
         "05g's refusal, naming --loss model instead of 04",
     "return fused_loss(model, inputs, labels)": "05h's loss of one micro-batch",
+    "if args.checkpointing.startswith(\"budget:\"):": "05k's budget, when --checkpointing names one",
+    "args.compile = True": "05k always compiles; 10 when --checkpointing budget:F is chosen",
+    "budget = args.checkpointing.startswith(\"budget:\")": "refusal: the budget refused where "
+        "--compile is, as only compiled code heeds it",
     "check_output_layer_without_bias(model, \"Train it with --loss chunked\")":
         "05h's refusal, naming --loss chunked instead of 05g",
 }
