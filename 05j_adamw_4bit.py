@@ -99,6 +99,7 @@ class AdamW4bit(torch.optim.Optimizer):  # 4-bit AdamW
                 state["exp_avg"][codes], state["exp_avg_scales"][scales] = encode(m, signed_bounds)
                 state["exp_avg_sq"][codes], state["exp_avg_sq_scales"][scales] = encode(v, unsigned_bounds)
 
+
 def train_step(model, optimizer, inputs, labels, device, accum_steps):  # gradient accumulation
     """One optimizer step on one batch; returns the loss."""
     # gradient accumulation: equal micro-batches, one at a time; their gradients add up in .grad

@@ -174,6 +174,7 @@ class AdamW4bit(torch.optim.Optimizer):  # 4-bit AdamW
                 state["exp_avg"][codes], state["exp_avg_scales"][scales] = encode(m, signed_bounds)
                 state["exp_avg_sq"][codes], state["exp_avg_sq_scales"][scales] = encode(v, unsigned_bounds)
 
+
 ATEN = torch.ops.aten  # selective checkpointing: the operators whose outputs forward keeps
 # the weights' products and the attention kernels; not bmm or baddbmm, which make the score
 # matrices (batch x heads x tokens x tokens) of a model's own attention code (BLOOM's), 05c's saving
