@@ -82,6 +82,7 @@ def train(args, device):
 def budget_flag(parser):  # memory budget: --memory-budget
     parser.add_argument("--memory-budget", type=fraction, default=0.5,
                         help="0 to 1: what backward may keep, of what the compiler keeps unasked")
+    parser.set_defaults(compile=True)  # memory budget: always compiled, checked as --compile is
 
 
 def main(argv=None):

@@ -39,8 +39,8 @@ except ImportError as error:  # said when --optimizer adamw-8bit or --qlora need
 
 # --estimate runs main() on fake tensors with stand-ins for these names (no data, no download):
 # keep importing them by name. The list and the reasons: estimate/contract.py.
-from common.cli import (check_batch_split, checkpointing_kind, parse_args, positive_float, positive_int,
-                        true_or_false)
+from common.cli import (check_batch_split, checkpointing_kind, compiler_problem, parse_args, positive_float,
+                        positive_int, true_or_false)
 from common.data import IGNORED, load_data, split_batch, to_device  # chunked loss: IGNORED
 from common.distributed import end_distributed, init_distributed
 from common.evaluate import evaluate
@@ -714,6 +714,8 @@ def refusal(args):
         return ("--checkpointing budget with --gradients-to-host: the budget is heeded by compiled "
                 "code only, and the compiled model hands back every gradient at once; use "
                 "--checkpointing full or selective")
+    if budget and not args.estimate and compiler_problem(args.device):
+        return f"--checkpointing budget compiles the model: {compiler_problem(args.device)}"
     if budget and launched_sharded(args):
         return (f"--checkpointing budget with {sharded}: not tried with FSDP's per-block "
                 "compilation here; use --checkpointing full")
