@@ -10,6 +10,7 @@ Adding a step or a branch means adding its script, NN[x]_name.py, and its entry 
 the estimate table and the tests (its diff, its tag, the README's list of tags) take it from here.
 """
 import importlib.util
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,8 +31,9 @@ class Step:
     removes: tuple = ()     # earlier steps whose technique it takes out on purpose
     synchronizes: bool = False  # its optimizer waits for the GPU once per parameter
     combined: bool = False  # the combined script: every technique behind a switch
-    compiles: bool = False  # always compiled (05k): its estimate is the eager run's, and each
-    #                         run spends tens of seconds compiling on a CPU
+    compiles: bool = False  # always compiled (05k): its estimate is a range, not the run's own
+    #                         count (estimate/compiled.py), and each run spends tens of seconds
+    #                         compiling on a CPU
     by_hand: str | None = None  # why the estimate cannot run it, and the rule to use instead
 
     @property
@@ -164,9 +166,12 @@ def with_parent(name):
 
 def import_script(path, prefix="script"):
     """A fresh module object of the script at `path`, under a name no import uses (a numbered
-    script's name starts with a digit, so `import` cannot name it)."""
+    script's name starts with a digit, so `import` cannot name it). It is entered in sys.modules
+    under that name, where torch.compile looks up the module of a function it traces (05c's
+    checkpointed forward)."""
     path = Path(path)
     spec = importlib.util.spec_from_file_location(f"_{prefix}_{path.stem}", path)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
     spec.loader.exec_module(module)
     return module
