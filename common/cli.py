@@ -258,7 +258,7 @@ def parse_args(description, argv=None, accum_steps=None, sharded=False, no_accum
     args.device = torch.device(args.device)
     if args.check_estimate:
         check_estimate(parser, args, Path(sys._getframe(1).f_code.co_filename), argv)
-    if args.compile and not args.estimate:  # the estimate runs the model uncompiled
+    if args.compile and not args.estimate:  # the estimate generates no kernels (compiled.py)
         if importlib.util.find_spec("common.compiled_memory") is None:
             parser.error("--compile needs common/compiled_memory.py (how a compiled model's memory "
                          "is counted), which this copy of the script lacks: copy it beside "
@@ -280,8 +280,9 @@ def check_estimate(parser, args, script, argv):
                      "is on the CPU, where the estimate is the run's own count (--estimate "
                      "--device cpu): run it on a GPU, or leave --check-estimate out")
     if args.compile:
-        parser.error("--check-estimate compares with the estimate of an eager run (the estimate "
-                     "runs the model uncompiled), and --compile measures a compiled one: leave "
+        parser.error("--check-estimate checks that the GPU's count equals the estimate's, and "
+                     "a compiled run's estimate is a range (its kernels are not generated "
+                     "there: estimate/compiled.py), so nothing would be checked: leave "
                      "one of them out")
     if importlib.util.find_spec("estimate") is None:
         parser.error("--check-estimate needs the estimator, the folder estimate/, which this copy "

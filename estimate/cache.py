@@ -116,7 +116,7 @@ def key(row, exact):
         return None
     asked = {"script": script.name, "source": source, "argv": list(map(str, row.argv)),
              "world_size": row.world_size, "gpu": row.gpu, "any_batch_size": row.any_batch_size,
-             "exact": bool(exact), "model": model, "code": code_digest(),
+             "exact": bool(exact), "unfused": row.unfused, "model": model, "code": code_digest(),
              "environment": {name: os.environ.get(name) for name in ENVIRONMENT}}
     return hashlib.sha256(json.dumps(asked, sort_keys=True).encode()).hexdigest()
 

@@ -42,6 +42,7 @@ from estimate.contract import EstimateError, check_contract, required_names
 from estimate.fake_tensor_patches import (
     INIT_PROCESS_GROUP,
     FakeModeReadingZeros,
+    compiled_graphs_run_by_operations,
     cuda_optimizer_defaults,
     device_meshes_made_for_real,
     process_group_only_through_init_distributed,
@@ -72,7 +73,9 @@ class FakeRun:
     meter_result: dict = None
     trace: AllocationTrace = field(default_factory=AllocationTrace)
     offloaded: bool = False  # FSDP keeps the sharded state in host memory (CPUOffloadPolicy)
-    compiled: bool = False  # the script compiled its model (--compile); it ran eagerly here
+    compiled: bool = False  # the script compiled its model (--compile, 05k)
+    compiled_eagerly: bool = False  # ... and it ran eagerly here (sharded: see fake_run)
+    batch_bytes: int = 0  # one batch as the data loader gives it (this process's share)
     creation: object = None  # what measure_creation measured, on fake tensors
     creation_events: slice = field(default_factory=lambda: slice(0, 0))  # model creation's events
     asked: tuple = None  # (batch, accumulation steps) asked, where fewer micro-batches ran
@@ -110,6 +113,15 @@ class FakeLoader:
                     for name in ("input_ids", "attention_mask")}
         return {"pixel_values": torch.empty(size, 3, preset.image_size, preset.image_size,
                                             device=self.host)}
+
+    def batch_bytes(self, size):
+        """The bytes of a batch of `size` samples, inputs and labels, as made."""
+        preset = self.preset
+        if is_text(preset):
+            inputs = 2 * size * preset.max_length * 8  # token ids and mask, int64
+        else:
+            inputs = size * 3 * preset.image_size ** 2 * 4  # float32 pixels
+        return inputs + size * (preset.max_length if preset.task == "causal-lm" else 1) * 8
 
     def labels(self):
         """A class per sample, or under --task causal-lm a token per position."""
@@ -186,6 +198,7 @@ def stand_ins(run, world_size):
                                 f"samples of preset {preset.name!r}: no step would run")
         loader = FakeLoader(preset, batch_size, samples, host, rank, world_size,
                             batches=samples // asked)  # as many steps as the asked batch gives
+        run.batch_bytes = loader.batch_bytes(len(range(rank, asked, world_size)))  # asked
         return Data(train=loader, val=loader, test=loader)
 
     def create_model(preset, dtype=torch.float32):
@@ -232,8 +245,12 @@ def stand_ins(run, world_size):
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
             run.offloaded = run.offloaded or offloads_to_host(self.model)
-            if self.from_allocations:  # compiled (--compile), yet run eagerly here: see below
-                run.compiled, self.from_allocations = True, False
+            if self.from_allocations:  # compiled (--compile, 05k): counted by MemTracker all the
+                # same, the compiled graphs run an operation at a time (see fake_run); sharded, the
+                # model runs eagerly, and the meter's hook that lets its root run twice a step
+                # (accumulation) is wanted; compiled, no hook is (a global hook would be traced)
+                run.compiled, run.compiled_eagerly = True, world_size > 1
+                self.from_allocations = not run.compiled_eagerly
                 self.tracker_factory = FSDPMemTracker if is_sharded(self.model) else memory_tracker
             make_tracker = self.tracker_factory
             self.tracker_factory = lambda *made_of: with_global_peak_only(make_tracker(*made_of))
@@ -312,7 +329,7 @@ def without_estimate_flag(argv):
 
 
 def run_on_fake_tensors(script_path, argv, world_size=1, gpu=gpu_choices.DEFAULT_GPU,
-                        any_batch_size=False, every_micro_batch=False, probe=None):
+                        any_batch_size=False, every_micro_batch=False, probe=None, fused=True):
     """Run the script's main(argv) for two optimizer steps on fake tensors; returns a FakeRun.
 
     `argv` are the script's own flags; `world_size` is the number of processes a distributed
@@ -321,6 +338,8 @@ def run_on_fake_tensors(script_path, argv, world_size=1, gpu=gpu_choices.DEFAULT
     --gpu-memory search asks what fits, beyond what the preset's data set holds);
     `every_micro_batch`: run each of the --accum-steps micro-batches asked, not two (--exact).
     `probe`: run the model cut to that many periods of its blocks (blocks.py), not whole.
+    `fused`: what torch.compile compiles runs with its pointwise operations fused, or without
+    (estimate/compiled.py).
     """
     emulate_cuda = wants_cuda_emulation(argv)
     # what lives now is frozen for the run: the collection that measure_creation starts with
@@ -332,14 +351,14 @@ def run_on_fake_tensors(script_path, argv, world_size=1, gpu=gpu_choices.DEFAULT
         gc.freeze()
     try:
         return fake_run(script_path, argv, world_size, gpu, any_batch_size, every_micro_batch,
-                        probe, emulate_cuda)
+                        probe, emulate_cuda, fused)
     finally:
         if thaw:
             gc.unfreeze()
 
 
 def fake_run(script_path, argv, world_size, gpu, any_batch_size, every_micro_batch, probe,
-             emulate_cuda):
+             emulate_cuda, fused):
     """run_on_fake_tensors' run, its garbage collector set."""
     run = FakeRun(script=Path(script_path).stem, emulate_cuda=emulate_cuda, gpu=gpu,
                   any_batch_size=any_batch_size, probe=probe)
@@ -356,10 +375,10 @@ def fake_run(script_path, argv, world_size, gpu, any_batch_size, every_micro_bat
     script_argv = [*without_estimate_flag(argv), *QUICK_RUN, "--device", "cpu"]
     fake_mode = FakeModeReadingZeros(allow_non_fake_inputs=True, cuda_batch_norm=emulate_cuda)
     with ExitStack() as stack:
-        # torch.compile stands aside: the model runs eagerly, the prediction is the eager run's.
-        # Compiled code would escape MemTracker (common/compiled_memory.py says why), and the
-        # compiler would not compile under the tracker anyway, only mark the code never to be.
-        stack.enter_context(torch.compiler.set_stance("force_eager"))
+        # torch.compile's graphs run an operation at a time under the tracker (compiled.py); with
+        # sharding it stands aside (the model runs eagerly, the prediction is the eager run's)
+        stack.enter_context(compiled_graphs_run_by_operations(fused) if world_size == 1
+                            else torch.compiler.set_stance("force_eager"))
         stack.enter_context(fake_mode)
         stack.enter_context(swappable_fake_parameters(fake_mode))
         stack.enter_context(device_meshes_made_for_real())

@@ -34,6 +34,11 @@ class FakeModeReadingZeros(FakeTensorMode):
         super().__init__(*args, **kwargs)
         self.cuda_batch_norm = cuda_batch_norm  # the GPU emulation: CUDA's kernel's dtypes
 
+    # operators that take operators (a compiled graph's random numbers that a checkpointed block
+    # saves): their rules, registered for FakeTensorMode itself (which this is not), send them
+    # to its __torch_dispatch__, where they go here
+    supports_higher_order_operators = True
+
     def dispatch(self, func, types, args=(), kwargs=None):
         if (func is torch.ops.aten._local_scalar_dense.default
                 and getattr(args[0], "constant", None) is None):
@@ -193,6 +198,43 @@ def process_group_only_through_init_distributed(script_name):
         dist.init_process_group = INIT_PROCESS_GROUP
 
 
+@contextmanager
+def compiled_graphs_run_by_operations(fused):
+    """Within it, torch.compile's inductor backend (the default) runs the graphs it is given an
+    operation at a time instead of generating kernels for them (estimate/compiled.py's
+    run_as_compiled; `fused`: with the pointwise operations inductor fuses held nowhere), so
+    that the tracker sees them. Graphs compiled before (real kernels, in a test's process) are
+    dropped on the way in, and these on the way out."""
+    wrapper, module = torch._TorchCompileInductorWrapper, torch.nn.Module
+    generating, calling = wrapper.__call__, module.__call__
+
+    def run_by_operations(self, model, inputs, **_):
+        from estimate.compiled import run_as_compiled
+        return run_as_compiled(fused)(model, inputs)
+
+    def call(self, *args, **kwargs):
+        # a module compiled in place (`model.compile()`) runs as torch.compile(model) would:
+        # marked as an optimized module, where the tracker's module hooks stand aside rather
+        # than being traced into the graph (which they would break at every module)
+        if self._compiled_call_impl is None:
+            return calling(self, *args, **kwargs)
+        from torch._dynamo.eval_frame import _set_in_optimized_module
+        with _set_in_optimized_module():
+            return self._compiled_call_impl(*args, **kwargs)
+
+    def forget_compiled():
+        if "torch._dynamo" in sys.modules:  # (imported by the first torch.compile)
+            torch._dynamo.reset()
+
+    forget_compiled()
+    wrapper.__call__, module.__call__ = run_by_operations, call
+    try:
+        yield
+    finally:
+        wrapper.__call__, module.__call__ = generating, calling
+        forget_compiled()
+
+
 def with_global_peak_only(tracker):
     """The tracker, keeping its overall peak but not each module's.
 
@@ -236,6 +278,16 @@ def global_peak_only_class(tracker_class):
             if func.namespace == "prim":  # other queries about a tensor: no memory either
                 return func(*args, **(kwargs or {}))
             return super().__torch_dispatch__(func, types, args, kwargs)
+
+        # a compiled graph's operators that take operators (the random numbers a checkpointed
+        # block saves, 05c compiled): tracked by what they return
+        supports_higher_order_operators = True
+
+        @classmethod
+        def ignore_compile_internals(cls):
+            # torch.compile compiles under this tracker, which then sees the compiled graphs run
+            # (estimate/compiled.py's backend runs them operation by operation)
+            return True
 
     GlobalPeakOnly.__name__ = tracker_class.__name__
     return GlobalPeakOnly

@@ -37,6 +37,7 @@ class Row:
     any_batch_size: bool = False  # the data set holds two batches of any size (fit.py's search)
     snapshot: str | None = None  # where the predicted memory snapshot goes (--memory-snapshot)
     exact: bool = False  # every micro-batch asked is run, not two (--exact)
+    unfused: bool = False  # compiled: also the peak with nothing fused (compiled.py), a second run
 
     @property
     def label(self):
@@ -44,15 +45,16 @@ class Row:
 
 
 def predict(script_path, argv, world_size=1, gpu=DEFAULT_GPU, any_batch_size=False,
-            snapshot=None, exact=False):
+            snapshot=None, exact=False, unfused=False):
     """The estimate record for running `script_path` with its flags `argv` (on the GPU `gpu`, a
     key of GPUS, unless they say --device cpu); raises EstimateError. `any_batch_size`: the
     fake data set is as large as two batches of the size asked need. `snapshot`: a file for
     the predicted memory snapshot of the steps (and its picture beside it: snapshot.py).
     `exact`: run every micro-batch asked, not two (fake_run.MICRO_BATCHES_RUN), and the whole
-    model, not probes of a few of its blocks (blocks.py), to check."""
+    model, not probes of a few of its blocks (blocks.py), to check. `unfused`: for a compiled
+    run, run it again with nothing fused, for the bound above its prediction (compiled.py)."""
     run, exact = None, exact or os.environ.get(EXACT_VARIABLE) == "1"
-    if wants_cuda_emulation(argv) and not (exact or snapshot):
+    if wants_cuda_emulation(argv) and not (exact or snapshot or compiles(script_path, argv)):
         try:  # from runs of a few periods of the model's blocks (blocks.py), where they repeat
             run = run_by_blocks(script_path, argv, world_size, gpu, any_batch_size,
                                 sharded=shards(script_path))
@@ -83,6 +85,12 @@ def predict(script_path, argv, world_size=1, gpu=DEFAULT_GPU, any_batch_size=Fal
         allocated = reserved = run.meter_result["peak_memory_bytes"]
         breakdown, host_bytes = run.meter_result["breakdown_bytes"], 0
         init_allocated = init_reserved = run.creation.peak_bytes if run.creation else 0
+    if unfused and run.compiled and not run.compiled_eagerly:  # the bound above (compiled.py)
+        unfused = peak_allocated(run_on_fake_tensors(
+            script_path, argv, world_size, gpu, any_batch_size,
+            every_micro_batch=exact or bool(snapshot), fused=False), gpu)
+    else:
+        unfused = None
     return {"script": run.script, "preset": run.record["preset"], "model": run.record["model"],
             "reshard_after_forward": run.record["reshard_after_forward"],
             "device": "cuda" if run.emulate_cuda else "cpu",
@@ -94,9 +102,29 @@ def predict(script_path, argv, world_size=1, gpu=DEFAULT_GPU, any_batch_size=Fal
             "model_state_bytes_per_parameter": model_state_bytes_per_parameter(
                 breakdown, run.meter_result["parameters_held"]),  # the device's bytes, as above
             "init_allocated_bytes": init_allocated, "init_reserved_bytes": init_reserved,
-            "compiled": run.compiled,
+            "compiled": run.compiled, "compiled_eagerly": run.compiled_eagerly,
+            "unfused_allocated_bytes": unfused, "batch_bytes": run.batch_bytes,
             # [blocks of the model, [blocks of each probe]] where probes stood for it (blocks.py)
             "blocks": run.blocks and [run.blocks[0], run.blocks[1]]}
+
+
+def peak_allocated(run, gpu):
+    """A run's predicted peak allocated bytes (as predict counts them, without its breakdown)."""
+    if not run.emulate_cuda:
+        return run.meter_result["peak_memory_bytes"]
+    host = HOST_CATEGORIES_WHEN_OFFLOADED if run.offloaded else frozenset()
+    return replay(run.training_events(), "cpu", emulate_cuda=True, host_categories=host,
+                  workspace_bytes=GPUS[gpu].cublas_workspace_bytes).allocated_bytes
+
+
+def compiles(script_path, argv):
+    """Whether the run compiles its model: --compile, 10's --checkpointing budget:F, or a
+    script that always does (05k): its probes would not show its blocks (blocks.py)."""
+    try:
+        always = step_of(script_path).compiles
+    except KeyError:
+        always = False
+    return always or "--compile" in argv or any(arg.startswith("budget:") for arg in argv)
 
 
 def shards(script_path):
@@ -141,7 +169,7 @@ def attempt(row):
         return record, None, None
     try:
         record = predict(row.script, row.argv, row.world_size, row.gpu, row.any_batch_size,
-                         row.snapshot, row.exact)
+                         row.snapshot, row.exact, row.unfused)
     except Exception as error:  # noqa: BLE001 - reported as the row's outcome
         if os.environ.get("ESTIMATE_TRACEBACK"):
             traceback.print_exc()
@@ -180,11 +208,19 @@ def summary(record):
         whole, probes = record["blocks"]
         lines.append(f"  from runs of {', '.join(map(str, probes[:-1]))} and {probes[-1]} of the "
                      f"model's {whole} blocks, written out to {whole} (--exact runs them all)")
-    if record.get("compiled"):
+    if record.get("compiled_eagerly"):
         lines.append("--compile: predicted for the eager run (the model ran uncompiled here);\n"
                      "  torch.compile fuses operations and chooses what backward keeps, so a "
                      "compiled run's\n  activations and temporaries differ: a compiled run "
                      "measures its own")
+    elif record.get("compiled"):
+        lines.append("compiled: predicted from the graphs torch.compile makes (what backward "
+                     "keeps, as its\n  partition chooses), each chain of pointwise operations "
+                     "fused into one kernel")
+        if record.get("unfused_allocated_bytes"):
+            lines.append("  with nothing fused they would hold "
+                         f"{size_text(record['unfused_allocated_bytes'])} at their peak: a "
+                         "compiled run's lies between\n  (its kernels' own scratch space aside)")
     if read.published_gb:
         lines.append(f"  the study measured {read.published_gb:.2f} GB reserved: ratio "
                      f"{read.ratio():.2f}")
@@ -211,7 +247,7 @@ def estimate(script, argv):
         raise SystemExit(f"error: {failure_message(error, script)}")
     record, problem, seconds = attempt(Row(Path(script), script_argv, world_size,
                                            asked.gpu or DEFAULT_GPU, snapshot=asked.memory_snapshot,
-                                           exact=asked.exact))
+                                           exact=asked.exact, unfused=True))
     if problem:
         raise SystemExit(f"error: cannot estimate {Path(script).name}: {problem}")
     print(summary(record))

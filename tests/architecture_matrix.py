@@ -58,8 +58,8 @@ REPRESENTATIVES = {"BERT", "Llama", "ViT"}
 
 def in_matrix(name, step):
     """Whether the matrix runs `step` on architecture `name`. Not a step that always compiles
-    (05k): tens of seconds per architecture, and its estimate is the eager run's, not its own
-    (tests/estimate/test_compiled.py runs it)."""
+    (05k): tens of seconds per architecture, and its estimate is a range, not the run's own
+    count (tests/estimate/test_compiled.py checks it)."""
     if STEPS[step].compiles:
         return False
     return step not in OPTIMIZER_ONLY or name in REPRESENTATIVES
