@@ -24,7 +24,9 @@ counts them as they run. What inductor's kernels hold cannot be generated withou
 generator, so it is bounded from both sides:
 - fused (the prediction): each pointwise operation whose every consumer is a pointwise operation
   or a reduction (through views) is computed inside its consumer's kernel and never held; the
-  inputs it reads live until that kernel runs. That is the most inductor fuses;
+  inputs it reads live until that kernel runs. Inductor fuses about so: it keeps a few such
+  values in buffers, and fuses some this does not (random numbers, which are held here; a graph
+  of dynamic shapes is not fused here at all), so it is not a bound below;
 - unfused (the bound above): every operation's value held, as if nothing were fused.
 A kernel's own scratch space (a CPU's bfloat16 matrix product takes some) is in neither.
 """
@@ -94,6 +96,13 @@ def partition(model, inputs, labels, budget):
     return found
 
 
+aten = torch.ops.aten
+# views a kernel reads through (index arithmetic), which a stand-in (every stride 0) can take
+INLINED_VIEWS = {aten.view.default, aten._unsafe_view.default, aten.permute.default,
+                 aten.transpose.int, aten.t.default, aten.unsqueeze.default, aten.squeeze.dim,
+                 aten.squeeze.dims, aten.expand.default, aten.slice.Tensor, aten.select.int}
+
+
 def is_operator(node):
     return node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload)
 
@@ -106,7 +115,7 @@ def in_kernel(node):
         return False
     if torch.Tag.pointwise in node.target.tags or torch.Tag.reduction in node.target.tags:
         return True
-    return node.target.is_view and all(in_kernel(user) for user in node.users)
+    return node.target in INLINED_VIEWS and all(in_kernel(user) for user in node.users)
 
 
 def fused_away(node):

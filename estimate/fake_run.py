@@ -245,15 +245,28 @@ def stand_ins(run, world_size):
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
             run.offloaded = run.offloaded or offloads_to_host(self.model)
-            if self.from_allocations:  # compiled (--compile, 05k): counted by MemTracker all the
-                # same, the compiled graphs run an operation at a time (see fake_run); sharded, the
-                # model runs eagerly, and the meter's hook that lets its root run twice a step
-                # (accumulation) is wanted; compiled, no hook is (a global hook would be traced)
+            compiled = self.from_allocations
+            if compiled:  # compiled (--compile, 05k): counted by MemTracker all the same, the
+                # compiled graphs run an operation at a time (see fake_run); sharded, eagerly
                 run.compiled, run.compiled_eagerly = True, world_size > 1
-                self.from_allocations = not run.compiled_eagerly
+                self.from_allocations = False
                 self.tracker_factory = FSDPMemTracker if is_sharded(self.model) else memory_tracker
             make_tracker = self.tracker_factory
-            self.tracker_factory = lambda *made_of: with_global_peak_only(make_tracker(*made_of))
+
+            def tracker(*made_of):
+                made = with_global_peak_only(make_tracker(*made_of))
+                if compiled and not run.compiled_eagerly:
+                    # MemTracker hooks each parameter's gradient as a module's forward begins,
+                    # which its module hooks skip inside compiled code: hooked here, once
+                    made._track_module_params_and_buffers(self.model, install_grad_hooks=True)
+                return made
+            self.tracker_factory = tracker
+
+        def forget_previous_forward(self, module, args):
+            # inside compiled code (traced, where it is a constant) the tracker's module hooks
+            # stand aside too: nothing to forget
+            if not torch._dynamo.eval_frame._is_in_optimized_module():
+                super().forget_previous_forward(module, args)
 
         def result(self):
             run.meter_result = {"peak_memory_bytes": self.peak_bytes,

@@ -11,6 +11,7 @@ import weakref
 from contextlib import contextmanager
 
 import torch
+import torch._functorch.config
 import torch.distributed as dist
 from torch._subclasses.fake_tensor import _DISPATCH_META_HANDLERS, FakeTensor, FakeTensorMode
 
@@ -228,8 +229,11 @@ def compiled_graphs_run_by_operations(fused):
 
     forget_compiled()
     wrapper.__call__, module.__call__ = run_by_operations, call
+    # 05k and 10 set the compiler's memory budget for the process: restored after the run
+    budget = torch._functorch.config.activation_memory_budget
     try:
-        yield
+        with torch._functorch.config.patch(activation_memory_budget=budget):
+            yield
     finally:
         wrapper.__call__, module.__call__ = generating, calling
         forget_compiled()

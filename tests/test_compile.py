@@ -173,10 +173,25 @@ def test_the_estimate_of_a_compiled_run_bounds_what_it_measures(compiled, tmp_pa
     said = capsys.readouterr().out
     assert counters["stats"]["unique_graphs"] > before  # compiled, not run eagerly
     assert predicted["compiled"] and not predicted["compiled_eagerly"] and not eager["compiled"]
-    assert "lies between" in said and "lies between" not in said_for_eager
+    assert "with nothing fused" in said and "with nothing fused" not in said_for_eager
     assert predicted["allocated_bytes"] < predicted["unfused_allocated_bytes"]
     assert predicted["allocated_bytes"] != eager["allocated_bytes"]  # it is not the eager count
     assert within_bound(compiled[0]["peak_memory_bytes"], predicted)
+
+
+@pytest.mark.timeout(300)
+def test_a_compiled_chunked_loss_is_estimated_unfused_where_fusion_cannot_be_emulated(tmp_path, capsys):
+    """05g compiles the blocks and runs the output layer a piece at a time outside them (a second
+    call per micro-batch, which the tracker allows). A fused value's stand-in has no layout, and
+    a view of a transposed result in its graphs needs one: the estimate runs the graphs unfused,
+    the range's upper side, says so, and still counts the gradients as gradients."""
+    record = estimate(str(script_path("05g")), ["--preset", "tiny-text", "--task", "causal-lm",
+                                                "--compile", "--estimate", *CPU, "--results-dir",
+                                                str(tmp_path)])
+    assert record["compiled"] and record["fused"] is False
+    assert record["unfused_allocated_bytes"] == record["allocated_bytes"]
+    assert record["breakdown_bytes"]["gradients"] > 0
+    assert "with nothing fused" in capsys.readouterr().out
 
 
 @pytest.mark.timeout(PROBED_TEST_TIMEOUT + COMPILED_LAUNCH_TIMEOUT)
