@@ -253,12 +253,21 @@ def stand_ins(run, world_size):
                 self.tracker_factory = FSDPMemTracker if is_sharded(self.model) else memory_tracker
             make_tracker = self.tracker_factory
 
+            model = self.model
+
             def tracker(*made_of):
                 made = with_global_peak_only(make_tracker(*made_of))
                 if compiled and not run.compiled_eagerly:
-                    # MemTracker hooks each parameter's gradient as a module's forward begins,
-                    # which its module hooks skip inside compiled code: hooked here, once
-                    made._track_module_params_and_buffers(self.model, install_grad_hooks=True)
+                    class HookingGradients(type(made)):
+                        # MemTracker hooks each parameter's gradient as a module's forward
+                        # begins, which its module hooks skip inside compiled code, and unhooks
+                        # them as it exits: hooked here as it enters, for each step
+                        def __enter__(tracking):
+                            entered = super().__enter__()
+                            tracking._track_module_params_and_buffers(model, install_grad_hooks=True)
+                            return entered
+                    HookingGradients.__name__ = type(made).__name__
+                    made.__class__ = HookingGradients
                 return made
             self.tracker_factory = tracker
 
