@@ -173,5 +173,9 @@ def import_script(path, prefix="script"):
     spec = importlib.util.spec_from_file_location(f"_{prefix}_{path.stem}", path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[spec.name]  # not a half-loaded script left behind
+        raise
     return module
