@@ -5,12 +5,12 @@ storages exactly (identical across runs with the same seed) and sorts them into 
 gradients, optimizer state, activations and temporaries: the peak and its breakdown come from
 the same steps. A training run reaches its peak within its first two optimizer steps that are
 taken (a float16 gradient scaler may skip some: those are tracked too, up to a limit). The
-tracker roughly doubles the time of the steps it watches, so those steps are left out of the
-training time. On CUDA the run also reports the caching allocator's own figures over the whole
-run, evaluation included: `torch.cuda.max_memory_allocated` and `max_memory_reserved` (the
-figure the study published); the cache is emptied first, so they count this run alone. The same
-two figures read when the tracked steps end (`cuda_steps_max_*`) cover the window that
-`--estimate` predicts.
+tracker slows the steps it watches, so those steps are left out of the training time; it keeps
+the overall peak only (OverallPeakOnly), not each module's. On CUDA the run also reports the
+caching allocator's own figures over the whole run, evaluation included:
+`torch.cuda.max_memory_allocated` and `max_memory_reserved` (the figure the study published);
+the cache is emptied first, so they count this run alone. The same two figures read when the
+tracked steps end (`cuda_steps_max_*`) cover the window that `--estimate` predicts.
 """
 import gc
 import time
@@ -75,17 +75,49 @@ def fold_breakdown(stats):
     return breakdown
 
 
+class Snapshot(dict):
+    """A tracker's {device: {category: bytes}}, copied; deepcopy (MemTracker copies the snapshot
+    at every module call) copies it as fast as a copy of ints can be made."""
+
+    def __init__(self, snapshot):
+        super().__init__((device, dict(stats)) for device, stats in snapshot.items())
+
+    def __deepcopy__(self, memo):
+        return Snapshot(self)
+
+
+class OverallPeakOnly:
+    """Mixed into MemTracker and FSDPMemTracker. After every operation they update the peak of
+    every module seen so far, a loop over the model's modules that takes most of a tracked
+    step's time; the meter reads only the overall peak, updated here as they update it."""
+
+    def _update_peak_stats(self, peak_state):
+        for device, snapshot in self._curr_mem_snap.items():
+            if self._peak_mem.get(device, 0) < snapshot["Total"]:
+                self._peak_mem[device] = snapshot["Total"]
+                self._peak_mem_snap[device] = dict(snapshot)
+
+    def get_tracker_snapshot(self, type="current"):
+        if type not in ("current", "peak"):
+            raise ValueError(f"Invalid type {type}")
+        return Snapshot(self._curr_mem_snap if type == "current" else self._peak_mem_snap)
+
+
+class ShardedMemTracker(OverallPeakOnly, FSDPMemTracker):
+    """FSDPMemTracker (steps 07-09), keeping only the overall peak."""
+
+
 class NoHook:
     def remove(self):
         pass
 
 
-class FrozenWeightsMemTracker(MemTracker):
-    """MemTracker for models with frozen weights (07a): torch 2.13's puts a gradient hook on every
-    parameter it meets, and a parameter that requires no gradient refuses hooks. Frozen ones are
-    marked as hooked already, so it counts them as parameters and hooks only the others. A 4-bit
-    weight's scales (07b: bitsandbytes keeps them beside the weight, not as parameters) are
-    counted with the parameters."""
+class FrozenWeightsMemTracker(OverallPeakOnly, MemTracker):
+    """MemTracker, keeping only the overall peak, for models with frozen weights too (07a): torch
+    2.13's puts a gradient hook on every parameter it meets, and a parameter that requires no
+    gradient refuses hooks. Frozen ones are marked as hooked already, so it counts them as
+    parameters and hooks only the others. A 4-bit weight's scales (07b: bitsandbytes keeps them
+    beside the weight, not as parameters) are counted with the parameters."""
 
     def _track_module_params_and_buffers(self, module, install_grad_hooks=True):
         for parameter in module.parameters():
@@ -159,7 +191,7 @@ class MemoryMeter:
             from common.compiled_memory import AllocationTracker  # needed only under --compile
             self.tracker_factory = AllocationTracker
         else:
-            self.tracker_factory = FSDPMemTracker if is_sharded(model) else memory_tracker
+            self.tracker_factory = ShardedMemTracker if is_sharded(model) else memory_tracker
         # the model's parameters, whole (a sharded one is a DTensor, whose shape is the whole's),
         # and the share of them this process holds: 1/N of each when N processes shard them
         self.parameter_count = sum(weights_in(parameter) for parameter in model.parameters())

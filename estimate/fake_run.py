@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 import common.data
 from common.data import Data
-from common.memory import FSDPMemTracker, MemoryMeter, is_sharded, memory_tracker
+from common.memory import MemoryMeter, ShardedMemTracker, is_sharded, memory_tracker
 from common.memory import measure_creation as real_measure_creation
 from common.model import classification_head, initialise, model_class, model_config, offloads_to_host
 from common.presets import is_text
@@ -45,11 +45,11 @@ from estimate.fake_tensor_patches import (
     compiled_graphs_run_by_operations,
     cuda_optimizer_defaults,
     device_meshes_made_for_real,
+    for_fake_tensors,
     process_group_only_through_init_distributed,
     quantization_maps_computed_once,
     sharding_propagation_apart,
     swappable_fake_parameters,
-    with_global_peak_only,
 )
 from steps import import_script
 
@@ -250,13 +250,13 @@ def stand_ins(run, world_size):
                 # compiled graphs run an operation at a time (see fake_run); sharded, eagerly
                 run.compiled, run.compiled_eagerly = True, world_size > 1
                 self.from_allocations = False
-                self.tracker_factory = FSDPMemTracker if is_sharded(self.model) else memory_tracker
+                self.tracker_factory = ShardedMemTracker if is_sharded(self.model) else memory_tracker
             make_tracker = self.tracker_factory
 
             model = self.model
 
             def tracker(*made_of):
-                made = with_global_peak_only(make_tracker(*made_of))
+                made = for_fake_tensors(make_tracker(*made_of))
                 if compiled and not run.compiled_eagerly:
                     class HookingGradients(type(made)):
                         # MemTracker hooks each parameter's gradient as a module's forward

@@ -239,41 +239,17 @@ def compiled_graphs_run_by_operations(fused):
         forget_compiled()
 
 
-def with_global_peak_only(tracker):
-    """The tracker, keeping its overall peak but not each module's.
-
-    After every operator MemTracker updates the peak of every module seen so far, a loop that
-    makes a ViT-L step several times slower; the meter reads only the overall peak, updated here
-    exactly as MemTracker updates it.
-    """
-    tracker.__class__ = global_peak_only_class(type(tracker))
+def for_fake_tensors(tracker):
+    """The tracker (common/memory.py's, which keeps only the overall peak), answering the
+    queries fake tensors make without a trip through the dispatcher, and counting compiled
+    graphs as they run."""
+    tracker.__class__ = fake_tensor_tracker_class(type(tracker))
     return tracker
 
 
-class Snapshot(dict):
-    """MemTracker's {device: {category: bytes}}, copied; deepcopy (of every module's snapshots,
-    on every module call) copies it as fast as a copy of ints can be made."""
-
-    def __init__(self, snapshot):
-        super().__init__((device, dict(stats)) for device, stats in snapshot.items())
-
-    def __deepcopy__(self, memo):
-        return Snapshot(self)
-
-
 @functools.cache
-def global_peak_only_class(tracker_class):
-    class GlobalPeakOnly(tracker_class):
-        def _update_peak_stats(self, peak_state):
-            for device, snapshot in self._curr_mem_snap.items():
-                if self._peak_mem.get(device, 0) < snapshot["Total"]:
-                    self._peak_mem[device] = snapshot["Total"]
-                    self._peak_mem_snap[device] = dict(snapshot)
-
-        def get_tracker_snapshot(self, type="current"):
-            snapshot = self._curr_mem_snap if type == "current" else self._peak_mem_snap
-            return Snapshot(snapshot)
-
+def fake_tensor_tracker_class(tracker_class):
+    class FakeTensorTracker(tracker_class):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             if func is DEVICE_QUERY and isinstance(args[0], FakeTensor):
                 # asked of nearly every tensor by autograd and by optimizers' grouping: answer
@@ -293,5 +269,5 @@ def global_peak_only_class(tracker_class):
             # (estimate/compiled.py's backend runs them operation by operation)
             return True
 
-    GlobalPeakOnly.__name__ = tracker_class.__name__
-    return GlobalPeakOnly
+    FakeTensorTracker.__name__ = tracker_class.__name__
+    return FakeTensorTracker
