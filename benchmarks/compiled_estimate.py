@@ -17,6 +17,7 @@ import json
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -33,7 +34,11 @@ def measure(step, flags):
 
     with tempfile.TemporaryDirectory() as results:
         predicted = estimate(str(STEPS[step].path), [*flags, "--estimate", "--results-dir", results])
-        record = import_script(STEPS[step].path).main([*flags, "--results-dir", results])
+        script = import_script(STEPS[step].path)
+        # the peak is the tracked training steps'; evaluation, slow on a CPU without bfloat16
+        # arithmetic (tiny-text), adds nothing to it
+        script.evaluate = lambda *args, **kwargs: float("nan")
+        record = script.main([*flags, "--results-dir", results])
     from estimate.compiled import within_bound
     return {"predicted": predicted["allocated_bytes"], "unfused": predicted["unfused_allocated_bytes"],
             "measured": record["peak_memory_bytes"],
@@ -73,11 +78,15 @@ def main():
     print("| script | preset | flags | predicted (fused) | measured | unfused | measured / predicted "
           "| measured / unfused | within the bound |")
     print("| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | --- |")
-    for step, preset, flags in rows(args.presets, args.steps, args.budgets):
+    planned = list(rows(args.presets, args.steps, args.budgets))
+    for number, (step, preset, flags) in enumerate(planned, 1):
+        started = time.perf_counter()
         done = subprocess.run([sys.executable, __file__, "--one", step, *flags], cwd=ROOT,
                               capture_output=True, text=True)
         shown = " ".join(flag for flag in flags[len(["--preset", preset]) + len(QUICK):])
         found = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+        print(f"row {number} of {len(planned)} ({step}, {preset} {shown}): "
+              f"{time.perf_counter() - started:.0f} s", file=sys.stderr, flush=True)
         if not found:
             said = (done.stderr.strip().splitlines() or [f"exit status {done.returncode}"])[-1]
             print(f"| {step} | {preset} | {shown} | {said} | | | | | |", flush=True)

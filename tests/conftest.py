@@ -91,6 +91,15 @@ SHARED_IN_A_MODULE = {"probed_runs", "unsharded", "estimated_once", "every_prefi
                       "predicted"}
 
 
+def pytest_configure(config):
+    # pytest 9 ignores the group that xdist 3.8 adds to a grouped test's id: every test would be
+    # sent anywhere, and each worker would make every shared run (and a module's, once per visit)
+    if config.getoption("dist", "no") == "loadgroup" and int(pytest.__version__.split(".")[0]) >= 9:
+        raise pytest.UsageError(f"pytest {pytest.__version__} ignores xdist's groups (--dist "
+                                "loadgroup, pytest.ini): install requirements-dev.txt's pins")
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the groups marked here
 def pytest_collection_modifyitems(items):
     """Two worker processes (pytest.ini: --dist loadgroup) would each make a shared fixture once:
     the tests that read one are sent to one worker, so that it is made once."""
