@@ -1,5 +1,6 @@
 """Helpers shared by the tests: load a numbered script as a module and run its main(), or run
 a sharded step in processes of its own."""
+import gc
 import json
 import os
 import signal
@@ -109,6 +110,26 @@ def pytest_collection_modifyitems(items):
             item.add_marker(pytest.mark.xdist_group("quick-runs"))
         elif names & SHARED_IN_A_MODULE:
             item.add_marker(pytest.mark.xdist_group(item.module.__name__))
+
+
+COLLECT_EVERY = 8  # tests; what earlier tests left in reference cycles waits at most this long
+tests_started = 0
+
+
+@pytest.fixture(autouse=True)
+def earlier_objects_frozen():
+    """A run collects garbage before it measures creation (common/memory.py), and a full
+    collection scans every object Python tracks: about 0.25 s in a worker that has imported
+    torch, transformers and the scripts, two or three times per run and estimate. What lives as
+    a test starts is frozen, so its collections scan only what the test makes; thawed after it.
+    Every COLLECT_EVERY tests a full collection first frees what earlier tests left."""
+    global tests_started
+    if tests_started % COLLECT_EVERY == 0:
+        gc.collect()
+    tests_started += 1
+    gc.freeze()
+    yield
+    gc.unfreeze()
 
 
 @pytest.fixture(autouse=True)
