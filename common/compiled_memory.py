@@ -33,7 +33,7 @@ for its collectives); activations (made anywhere else: forward, loss).
 import os
 
 import torch
-from torch._C._profiler import _EventType
+from torch._C._profiler import RecordScope, _EventType
 from torch.distributed._tools.common_utils import get_untyped_storages
 from torch.profiler import ProfilerActivity, _utils, profile
 
@@ -68,10 +68,55 @@ def category_of(allocation):
     return MADE_ELSEWHERE
 
 
+_SEEN_WHOLE = {}  # an operator's name: whether a dispatch mode sees it as one operation
+
+
+def seen_whole(event):
+    """Whether `event` is an operator that a dispatch mode (MemTracker) sees as one operation,
+    what it returns and not what its kernel allocates inside: any dispatched operator but one
+    that decomposes above the dispatch modes (CompositeImplicitAutograd: aten::linear runs as
+    aten::t and aten::addmm, which the mode sees)."""
+    if event.typed[0] != _EventType.TorchOp or event.typed[1].scope != RecordScope.FUNCTION:
+        return False
+    if event.name not in _SEEN_WHOLE:
+        try:
+            _SEEN_WHOLE[event.name] = not torch._C._dispatch_has_kernel_for_dispatch_key(
+                event.name, "CompositeImplicitAutograd")
+        except RuntimeError:  # not a registered operator's name
+            _SEEN_WHOLE[event.name] = False
+    return _SEEN_WHOLE[event.name]
+
+
+def scratch(allocations):
+    """The indices of `allocations` (in time order, frees included) that are an operation's own
+    scratch space: allocated inside an operation that a dispatch mode sees whole (the outermost
+    one) and freed before it returns. MemTracker never sees them, nor does the estimate (bitsandbytes'
+    8-bit AdamW on a CPU dequantizes each tensor's states to float32 inside its operation; a
+    CPU's bfloat16 matrix product takes a buffer); the allocator does."""
+    found, pending = set(), {}  # (device, pointer): (index, when its operation returns)
+    for index, event in enumerate(allocations):
+        fields = event.typed[1]
+        key = (fields.device, fields.ptr)
+        if fields.alloc_size > 0:
+            returns, node = None, event.parent
+            while node is not None:
+                if seen_whole(node):
+                    returns = node.end_time_ns
+                node = node.parent
+            pending[key] = (index, returns)
+        elif key in pending:
+            made, returns = pending.pop(key)
+            if returns is not None and event.start_time_ns <= returns:
+                found.add(made)
+    return found
+
+
 class AllocationTracker:
     """Use as MemTracker is used by MemoryMeter: `with tracker:` around a step, then
     `get_tracker_snapshot("peak")`: {device: {"Total": bytes, category: bytes}}, the highest
-    peak of the steps watched so far."""
+    peak of the steps watched so far. `peak_without_scratch` {device: bytes}: the highest
+    count of the same steps without operations' own scratch space (see scratch()), which is
+    what MemTracker and the estimate count."""
 
     def __init__(self, model, optimizer):
         self.model = model  # `optimizer`: one, or a list of them (04a: one per parameter)
@@ -79,19 +124,24 @@ class AllocationTracker:
         self.peak = {}  # device: {"Total": bytes, category: bytes}
         self.gradients = set()  # (device, pointer) of the gradients the optimizer step found
         self.optimizer_steps = []  # (start, end) in ns of the optimizer steps of the last step
+        self.peak_without_scratch = {}  # device: bytes
 
     def state_at_start(self):
         """{(device, pointer): (bytes, category)} of the model's and optimizer's tensors."""
         parameters = [*self.model.parameters(), *self.model.buffers()]
         parameters += [tensor for parameter in self.model.parameters()  # 07b's 4-bit scales
                        for tensor in quantization_tensors(parameter)]
-        gradients = [parameter.grad for parameter in self.model.parameters()
+        # what an optimizer steps may be other tensors than the model's: 05f's host copies of
+        # the weights, which MemTracker counts as optimizer state (the step returns them)
+        stepped = [parameter for optimizer in self.optimizers for group in optimizer.param_groups
+                   for parameter in group["params"]]
+        gradients = [parameter.grad for parameter in [*self.model.parameters(), *stepped]
                      if parameter.grad is not None]
         state = [value for optimizer in self.optimizers for per_parameter in optimizer.state.values()
                  for value in per_parameter.values() if isinstance(value, torch.Tensor)]
-        held = {}
-        for tensors, category in [(parameters, "Parameter"), (gradients, "Gradient"),
-                                  (state, "Optstate")]:
+        held = {}  # a later category wins: the model's parameters are its own, not the optimizer's
+        for tensors, category in [(stepped, "Optstate"), (parameters, "Parameter"),
+                                  (gradients, "Gradient"), (state, "Optstate")]:
             held.update({key: (nbytes, category) for key, nbytes in storages(tensors).items()})
         return held
 
@@ -145,6 +195,9 @@ class AllocationTracker:
         for (device, _), (nbytes, _, _) in live.items():
             totals[device] = totals.get(device, 0) + nbytes
         peaks = {device: (total, dict(live)) for device, total in totals.items()}
+        inside, scratch_held = scratch(allocations), dict.fromkeys(totals, 0)
+        for device, total in totals.items():
+            self.peak_without_scratch[device] = max(self.peak_without_scratch.get(device, 0), total)
         gradients = set()  # the indices of the allocations that made gradients
         for index, event in enumerate(allocations):
             if step_start is not None and event.start_time_ns > step_start:
@@ -154,17 +207,27 @@ class AllocationTracker:
             device, key = fields.device, (fields.device, fields.ptr)
             if fields.alloc_size > 0:
                 if key in live:  # its free went unheard (seen once in ~800 events, sharded):
-                    totals[device] -= live.pop(key)[0]  # the allocator reuses only freed blocks
+                    nbytes, _, made = live.pop(key)  # the allocator reuses only freed blocks
+                    totals[device] -= nbytes
+                    if made in inside:
+                        scratch_held[device] -= nbytes
                 category = category_of(event)
                 if category == MADE_ELSEWHERE and any(
                         start <= event.start_time_ns <= end for start, end in self.optimizer_steps):
                     category = "Optstate"
                 live[key] = (fields.alloc_size, category, index)
                 totals[device] = totals.get(device, 0) + fields.alloc_size
+                if index in inside:
+                    scratch_held[device] = scratch_held.get(device, 0) + fields.alloc_size
                 if totals[device] > peaks.get(device, (0, None))[0]:
                     peaks[device] = (totals[device], dict(live))
+                self.peak_without_scratch[device] = max(self.peak_without_scratch.get(device, 0),
+                                                        totals[device] - scratch_held.get(device, 0))
             elif key in live:  # frees of blocks made before the step and not counted: no concern
-                totals[device] -= live.pop(key)[0]
+                nbytes, _, made = live.pop(key)
+                totals[device] -= nbytes
+                if made in inside:
+                    scratch_held[device] -= nbytes
         for device, (total, blocks) in peaks.items():
             if total <= self.peak.get(device, {}).get("Total", 0):
                 continue

@@ -207,6 +207,7 @@ class MemoryMeter:
         self.steps_allocator = {}  # on CUDA, the allocator's peaks over the tracked steps
         self.snapshot_written = False
         self.peak_bytes, self.breakdown = 0, dict.fromkeys(BREAKDOWN_KEYS, 0)
+        self.peak_without_scratch_bytes = 0  # compiled: what MemTracker would count
         if device.type == "cuda":
             check_bfloat16(device, model, self.from_allocations)  # V100, T4: emulated bfloat16
             torch.cuda.synchronize(device)  # creation's queued kernels are not training's
@@ -269,6 +270,9 @@ class MemoryMeter:
         stats = device_snapshot(self.tracker.get_tracker_snapshot("peak"), self.device)
         if stats.get("Total", 0) > self.peak_bytes:
             self.peak_bytes, self.breakdown = stats["Total"], fold_breakdown(stats)
+        if self.from_allocations:  # operations' own scratch space left out (compiled_memory.py)
+            without = device_snapshot(self.tracker.peak_without_scratch, self.device) or 0
+            self.peak_without_scratch_bytes = max(self.peak_without_scratch_bytes, without)
         if self.device.type == "cuda" and not self.tracking():  # the window the estimate predicts
             self.steps_allocator = {
                 "cuda_steps_max_allocated_bytes": torch.cuda.max_memory_allocated(self.device),
@@ -294,6 +298,8 @@ class MemoryMeter:
                   # how the peak was counted: a compiled model's steps escape MemTracker
                   "memory_counted_by": ("allocator events (torch.profiler)"
                                         if self.from_allocations else "MemTracker")}
+        if self.from_allocations:
+            result["peak_without_scratch_bytes"] = self.peak_without_scratch_bytes
         self.write_snapshot()  # a run of one step: its history all the same
         if self.device.type == "cuda":
             result["cuda_max_allocated_bytes"] = torch.cuda.max_memory_allocated(self.device)

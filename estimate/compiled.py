@@ -118,20 +118,76 @@ def in_kernel(node):
     return node.target in INLINED_VIEWS and all(in_kernel(user) for user in node.users)
 
 
+# tensors of one value everywhere: inductor computes them wherever they are read, as pointwise
+# operations, so they are held only where a consumer needs a buffer
+FILLS = {aten.full.default, aten.full_like.default, aten.zeros.default, aten.zeros_like.default,
+         aten.ones.default, aten.ones_like.default, aten.scalar_tensor.default}
+# operations that write into a copy of their first input (inductor lowers each as a clone of it,
+# then the in-place operation): a fill copied so is computed straight into that copy, the output
+SCATTERS_INTO_A_COPY = {aten.index_put.default, aten._unsafe_index_put.default,
+                        aten._unsafe_masked_index_put_accumulate.default, aten.scatter.src,
+                        aten.scatter.value, aten.scatter_add.default, aten.scatter_reduce.two}
+
+
+def reads_in_kernel(user, node):
+    """Whether `user` reads `node` where a fused producer can be computed: inside its kernel,
+    or (a fill) as the copy a scatter writes into."""
+    return in_kernel(user) or (node.target in FILLS and user.target in SCATTERS_INTO_A_COPY
+                               and user.args[0] is node and node not in user.args[1:])
+
+
 def fused_away(node):
-    """Whether inductor computes `node` inside its consumers' kernels, never into a buffer."""
+    """Whether inductor computes `node` inside its consumers' kernels, never into a buffer:
+    a pointwise operation or a fill (FILLS) whose shape a stand-in can take (shape_of)."""
     value = node.meta.get("val")
-    return (is_operator(node) and torch.Tag.pointwise in node.target.tags
-            and not node.target._schema.is_mutable and isinstance(value, torch.Tensor)
-            and all(isinstance(size, int) for size in value.shape)  # (a static shape)
-            and bool(node.users) and all(in_kernel(user) for user in node.users))
+    return (is_operator(node) and not node.target._schema.is_mutable
+            and (torch.Tag.pointwise in node.target.tags or node.target in FILLS)
+            and isinstance(value, torch.Tensor) and shape_of(node) is not None
+            and bool(node.users) and all(reads_in_kernel(user, node) for user in node.users))
 
 
-def stand_in(like, *inputs):
+def is_tensor(node):
+    return isinstance(node, torch.fx.Node) and isinstance(node.meta.get("val"), torch.Tensor)
+
+
+def shape_of(node):
+    """(shape, tensors): how a stand-in for `node`'s value gets its shape when it runs: `shape`
+    (ints, or the graph's own size arguments), or, where it is None, the broadcast of the
+    shapes of `tensors` (nodes). None where neither gives the value's shape: a graph of dynamic
+    shapes (torch.compile recompiles a graph whose shapes changed with symbolic sizes) knows its
+    sizes only as they run."""
+    value = node.meta["val"]
+    if all(isinstance(size, int) for size in value.shape):
+        return tuple(value.shape), ()
+    if node.target in FILLS:  # a size, or the shape of a tensor `*_like`
+        return (None, (node.args[0],)) if is_tensor(node.args[0]) else (node.args[0], ())
+    tensors = [each for each in node.all_input_nodes if is_tensor(each)]
+    if tensors and broadcast_is(value.shape, [each.meta["val"].shape for each in tensors]):
+        return None, tuple(tensors)
+    return None
+
+
+def broadcast_is(shape, shapes):
+    """Whether `shapes` broadcast to `shape`, told from their sizes' expressions (symbolic
+    sizes compared as written, never guarded on)."""
+    if max(len(each) for each in shapes) != len(shape):
+        return False
+    for position in range(-len(shape), 0):
+        size, sizes = str(shape[position]), {str(each[position]) for each in shapes
+                                             if len(each) >= -position}
+        if not sizes <= {size, "1"} or size not in sizes | {"1"}:
+            return False
+    return True
+
+
+def stand_in(like, shaped_as, *inputs):
     """A tensor of `like`'s (shape, dtype, device) that holds no memory (one element,
     expanded) and keeps the tensors among `inputs` alive as long as it lives: the kernel that
-    computes a fused value reads that value's inputs when it runs."""
+    computes a fused value reads that value's inputs when it runs. Where the shape is None, it
+    is the broadcast of the shapes of the tensors `shaped_as` (shape_of)."""
     shape, dtype, device = like
+    if shape is None:
+        shape = torch.broadcast_shapes(*(tensor.shape for tensor in shaped_as))
     tensor = torch.empty((), dtype=dtype, device=device).expand(shape)
     tensor.keeps = [value for value in inputs if isinstance(value, torch.Tensor)]
     return tensor
@@ -141,11 +197,11 @@ def with_fusion(graph):
     """`graph` (a GraphModule) with each value that inductor fuses away replaced by a stand-in."""
     for node in list(graph.graph.nodes):
         if fused_away(node):
-            value = node.meta["val"]
+            value, (shape, shaped_as) = node.meta["val"], shape_of(node)
+            inputs = [] if node.target in FILLS else node.all_input_nodes  # (a fill reads none)
             with graph.graph.inserting_before(node):
                 replacement = graph.graph.call_function(
-                    stand_in, ((tuple(value.shape), value.dtype, value.device),
-                               *node.all_input_nodes))
+                    stand_in, ((shape, value.dtype, value.device), shaped_as, *inputs))
             replacement.meta["val"] = value
             node.replace_all_uses_with(replacement)
             graph.graph.erase_node(node)
@@ -171,12 +227,20 @@ def run_as_compiled(fused):
 OPTIMIZERS_OWN = 4096
 
 
-def within_bound(measured, record):
-    """Whether a compiled CPU run's measured peak (the allocator's count, common/
-    compiled_memory.py) lies within the range its estimate `record` states: at most the unfused
-    peak, and at least the fused prediction less what the allocator's count cannot see and
-    MemTracker's does: tensors made before the step other than the model's and its optimizer's
-    state, that is the batch (MemTracker counts it once the model takes a view of it, as 04's
-    micro-batches are) and an optimizer's own small tensors (OPTIMIZERS_OWN)."""
+def measured_peak(run):
+    """A compiled CPU run's peak as the estimate counts (its record `run`): the allocator's
+    count (common/compiled_memory.py) without the scratch space an operation allocates and
+    frees inside itself, which neither MemTracker nor the estimate sees (bitsandbytes' 8-bit
+    AdamW on a CPU: each tensor's states in float32)."""
+    return run.get("peak_without_scratch_bytes", run["peak_memory_bytes"])
+
+
+def within_bound(run, record):
+    """Whether a compiled CPU run's peak (its record `run`, measured_peak) lies within the range
+    its estimate `record` states: at most the unfused peak, and at least the fused prediction
+    less what the allocator's count cannot see and MemTracker's does: tensors made before the
+    step other than the model's and its optimizer's state, that is the batch (MemTracker counts
+    it once the model takes a view of it, as 04's micro-batches are) and an optimizer's own
+    small tensors (OPTIMIZERS_OWN)."""
     predicted, unfused = record["allocated_bytes"], record["unfused_allocated_bytes"]
-    return predicted - record["batch_bytes"] - OPTIMIZERS_OWN <= measured <= unfused
+    return predicted - record["batch_bytes"] - OPTIMIZERS_OWN <= measured_peak(run) <= unfused
