@@ -49,3 +49,53 @@ def test_05k_compiled_on_the_cpu_keeps_what_its_partition_saves_and_its_estimate
     assert partitions[0.25].saved_bytes <= activations < partitions[1.0].saved_bytes
     assert predicted["compiled"] and predicted["unfused_allocated_bytes"] > predicted["allocated_bytes"]
     assert within_bound(record, predicted)
+
+
+def graph_of(function, *inputs, symbolic=False):
+    """`function` traced to ATen operations with inductor's decompositions, as the compiler's
+    graphs are (symbolic: with sizes as symbols, as a graph recompiled for dynamic shapes)."""
+    from torch._inductor.decomposition import select_decomp_table
+    from torch.fx.experimental.proxy_tensor import make_fx
+    return make_fx(function, decomposition_table=select_decomp_table(),
+                   tracing_mode="symbolic" if symbolic else "real")(*inputs)
+
+
+def fused_names(graph):
+    from estimate.compiled import fused_away
+    return {node.name for node in graph.graph.nodes if fused_away(node)}
+
+
+def test_the_zeros_an_embeddings_gradient_accumulates_into_are_computed_in_its_copy():
+    """Inductor writes an embedding's gradient by an index_put into a copy of the zeros it
+    starts from, computed in place: one buffer, as the fused run holds (tiny-text 04 compiled).
+    Zeros that a matrix product reads are held."""
+    def embedding_gradient(gradient, tokens):
+        return torch.ops.aten.embedding_dense_backward(gradient, tokens, 100, -1, False)
+
+    def zeros_multiplied(matrix):
+        return torch.zeros(16, 16) @ matrix
+
+    gradient, tokens = torch.randn(8, 16, dtype=torch.bfloat16), torch.randint(0, 100, (8,))
+    graph = graph_of(embedding_gradient, gradient, tokens)
+    assert {node.target for node in graph.graph.nodes} >= {
+        torch.ops.aten.full.default, torch.ops.aten._unsafe_masked_index_put_accumulate.default}
+    assert "full" in fused_names(graph)
+    assert "full" not in fused_names(graph_of(zeros_multiplied, torch.randn(16, 4)))
+
+
+def test_values_of_dynamic_shapes_are_fused_with_the_shape_they_have_as_they_run():
+    """A graph recompiled for dynamic shapes (05e's pieces): its pointwise chain is fused, each
+    stand-in shaped as its inputs broadcast when the graph runs, at any size."""
+    from estimate.compiled import broadcast_is, with_fusion
+
+    def chain(rows, column):
+        return (rows * 2 + column).sum(0)
+
+    graph = graph_of(chain, torch.randn(5, 3), torch.randn(5, 1), symbolic=True)
+    assert fused_names(graph) == {"mul", "add"}
+    fused = with_fusion(graph)
+    for size in [7, 2]:
+        assert fused(torch.randn(size, 3), torch.randn(size, 1)).shape == (3,)
+    assert broadcast_is((2, 3), [(2, 3), (3,)]) and broadcast_is((2, 3), [(1, 3), (2, 1)])
+    assert not broadcast_is((2, 3), [(1, 3)]) and not broadcast_is((2, 3), [(2, 4)])
+    assert not broadcast_is((2, 3), [(3,)])  # nothing gives the first size
