@@ -71,39 +71,58 @@ def category_of(allocation):
 _SEEN_WHOLE = {}  # an operator's name: whether a dispatch mode sees it as one operation
 
 
-def seen_whole(event):
-    """Whether `event` is an operator that a dispatch mode (MemTracker) sees as one operation,
-    what it returns and not what its kernel allocates inside: any dispatched operator but one
-    that decomposes above the dispatch modes (CompositeImplicitAutograd: aten::linear runs as
-    aten::t and aten::addmm, which the mode sees)."""
-    if event.typed[0] != _EventType.TorchOp or event.typed[1].scope != RecordScope.FUNCTION:
-        return False
-    if event.name not in _SEEN_WHOLE:
-        try:
-            _SEEN_WHOLE[event.name] = not torch._C._dispatch_has_kernel_for_dispatch_key(
-                event.name, "CompositeImplicitAutograd")
-        except RuntimeError:  # not a registered operator's name
-            _SEEN_WHOLE[event.name] = False
-    return _SEEN_WHOLE[event.name]
+def seen_whole(name):
+    """Whether the operator `name` (as the profiler names it: no overload) is one that a
+    dispatch mode (MemTracker) sees as one operation, what it returns and not what its kernel
+    allocates inside: a dispatched operator none of whose overloads decomposes above the
+    dispatch modes (CompositeImplicitAutograd: aten::linear runs as aten::t and aten::addmm,
+    which the mode sees). Not an operator's name (a backward function's, a user's scope): no."""
+    if name not in _SEEN_WHOLE:
+        overloads = [operator for operator in torch._C._dispatch_get_all_op_names()
+                     if operator == name or operator.startswith(name + ".")]
+        _SEEN_WHOLE[name] = bool(overloads) and not any(
+            torch._C._dispatch_has_kernel_for_dispatch_key(operator, "CompositeImplicitAutograd")
+            for operator in overloads)
+    return _SEEN_WHOLE[name]
 
 
-def scratch(allocations):
+def whole_operation_ends(events):
+    """{id(event): when the outermost operation seen whole around `event` (itself included)
+    returns, in ns, or None} for the profiler's `events` (depth first: parents first). An
+    operator called again inside itself (autocast's kernel casts, then calls it again; so do a
+    DTensor's and a custom operation's autograd wrapper) reaches a dispatch mode as the inner
+    call, and what the outer one does around it as operations of their own: the outer one is
+    passed over."""
+    operations = [event for event in events if event.typed[0] == _EventType.TorchOp
+                  and event.typed[1].scope == RecordScope.FUNCTION]
+    whole = {id(event) for event in operations if seen_whole(event.name)}
+    for event in operations:
+        if id(event) in whole:
+            node = event.parent
+            while node is not None:
+                if node.name == event.name:
+                    whole.discard(id(node))
+                node = node.parent
+    ends = {}
+    for event in events:
+        outer = None if event.parent is None else ends[id(event.parent)]
+        ends[id(event)] = event.end_time_ns if outer is None and id(event) in whole else outer
+    return ends
+
+
+def scratch(allocations, ends):
     """The indices of `allocations` (in time order, frees included) that are an operation's own
     scratch space: allocated inside an operation that a dispatch mode sees whole (the outermost
-    one) and freed before it returns. MemTracker never sees them, nor does the estimate (bitsandbytes'
-    8-bit AdamW on a CPU dequantizes each tensor's states to float32 inside its operation; a
-    CPU's bfloat16 matrix product takes a buffer); the allocator does."""
+    one: `ends`, whole_operation_ends) and freed before it returns. MemTracker never sees them,
+    nor does the estimate (bitsandbytes' 8-bit AdamW on a CPU dequantizes each tensor's states
+    to float32 inside its operation; a CPU's bfloat16 matrix product takes a buffer); the
+    allocator does."""
     found, pending = set(), {}  # (device, pointer): (index, when its operation returns)
     for index, event in enumerate(allocations):
         fields = event.typed[1]
         key = (fields.device, fields.ptr)
         if fields.alloc_size > 0:
-            returns, node = None, event.parent
-            while node is not None:
-                if seen_whole(node):
-                    returns = node.end_time_ns
-                node = node.parent
-            pending[key] = (index, returns)
+            pending[key] = (index, ends[id(event)])
         elif key in pending:
             made, returns = pending.pop(key)
             if returns is not None and event.start_time_ns <= returns:
@@ -183,19 +202,20 @@ class AllocationTracker:
                                 if event.name.startswith("Optimizer.step#")]
         allocations = sorted((event for event in events if event.typed[0] == _EventType.Allocation),
                              key=lambda event: event.start_time_ns)
-        self.count(allocations, min(steps, default=None))
+        self.count(allocations, min(steps, default=None), whole_operation_ends(events))
         return False
 
-    def count(self, allocations, step_start):
+    def count(self, allocations, step_start, ends):
         """Replay the step's allocations and frees from the state at its start; keep each
         device's highest total and the blocks alive then. `step_start`: when the optimizer step
-        began, where the gradients it found are the blocks alive."""
+        began, where the gradients it found are the blocks alive. `ends`: whole_operation_ends of
+        the events, which tells an operation's scratch space (scratch())."""
         live = {key: (nbytes, category, None) for key, (nbytes, category) in self.start.items()}
         totals = {}
         for (device, _), (nbytes, _, _) in live.items():
             totals[device] = totals.get(device, 0) + nbytes
         peaks = {device: (total, dict(live)) for device, total in totals.items()}
-        inside, scratch_held = scratch(allocations), dict.fromkeys(totals, 0)
+        inside, scratch_held = scratch(allocations, ends), dict.fromkeys(totals, 0)
         for device, total in totals.items():
             self.peak_without_scratch[device] = max(self.peak_without_scratch.get(device, 0), total)
         gradients = set()  # the indices of the allocations that made gradients

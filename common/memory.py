@@ -372,6 +372,8 @@ def highest_over_processes(result):
         if name in highest:
             combined[name] = max(each[name] for each in results)
             combined[f"rank_{name}"] = [each[name] for each in results]
+    if "peak_without_scratch_bytes" in highest:  # compiled
+        combined["peak_without_scratch_bytes"] = max(each["peak_without_scratch_bytes"] for each in results)
     return combined
 
 

@@ -24,11 +24,14 @@ counts them as they run. What inductor's kernels hold cannot be generated withou
 generator, so it is bounded from both sides:
 - fused (the prediction): each pointwise operation whose every consumer is a pointwise operation
   or a reduction (through views) is computed inside its consumer's kernel and never held; the
-  inputs it reads live until that kernel runs. Inductor fuses about so: it keeps a few such
-  values in buffers, and fuses some this does not (random numbers, which are held here; a graph
-  of dynamic shapes is not fused here at all), so it is not a bound below;
+  inputs it reads live until that kernel runs. So is a fill (zeros) read so or copied by a
+  scatter (an embedding's gradient: an index_put into zeros), and so are values of dynamic
+  shapes, their stand-ins shaped as the graph runs. Inductor fuses about so: it keeps a few such
+  values in buffers, and fuses some this does not (random numbers, which are held here), so it is
+  not a bound below;
 - unfused (the bound above): every operation's value held, as if nothing were fused.
-A kernel's own scratch space (a CPU's bfloat16 matrix product takes some) is in neither.
+A kernel's own scratch space (a CPU's bfloat16 matrix product takes some) is in neither: a
+measured run's is left out before the two are compared (measured_peak).
 """
 from dataclasses import dataclass
 
@@ -38,6 +41,7 @@ from torch._dynamo.backends.common import aot_autograd
 from torch._dynamo.backends.debugging import boxed_nop
 from torch._inductor.compile_fx import partition_fn as inductor_partition
 from torch._inductor.decomposition import select_decomp_table
+from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import FlopCounterMode
 
 
@@ -132,8 +136,11 @@ SCATTERS_INTO_A_COPY = {aten.index_put.default, aten._unsafe_index_put.default,
 def reads_in_kernel(user, node):
     """Whether `user` reads `node` where a fused producer can be computed: inside its kernel,
     or (a fill) as the copy a scatter writes into."""
-    return in_kernel(user) or (node.target in FILLS and user.target in SCATTERS_INTO_A_COPY
-                               and user.args[0] is node and node not in user.args[1:])
+    if in_kernel(user):
+        return True
+    read = [each for each in tree_leaves((user.args, user.kwargs)) if each is node]
+    return node.target in FILLS and user.target in SCATTERS_INTO_A_COPY and user.args[0] is node \
+        and len(read) == 1  # the copy only: not also an index or the values written
 
 
 def fused_away(node):

@@ -123,19 +123,22 @@ def test_the_allocator_counts_what_the_optimizer_step_makes_as_optimizer_state(t
 
 def test_the_count_without_scratch_leaves_out_what_an_operation_frees_inside_itself():
     """An operator whose kernel allocates a float64 copy of its input and frees it before it
-    returns (as bitsandbytes' 8-bit AdamW does on a CPU): the allocator's count holds it, the
-    count without scratch does not, as MemTracker, seeing what operations return, would not. A
-    composite operation's parts are operations a dispatch mode sees: cross-entropy's log-softmax,
-    freed before cross-entropy returns, is counted by both."""
+    returns (as bitsandbytes' 8-bit AdamW does on a CPU; defined with an overload name only, as
+    aten::add is, which the profiler leaves out): the allocator's count holds it, the count
+    without scratch does not, as MemTracker, seeing what operations return, would not. What a
+    dispatch mode sees as operations of their own is counted by both, though it runs inside
+    another operation's event: a composite operation's parts (cross-entropy's log-softmax,
+    freed before cross-entropy returns) and autocast's casts (made inside aten::addmm, which
+    autocast then calls again)."""
     library = torch.library.Library("scratch_test", "DEF")
     try:
-        library.define("column_sums(Tensor x) -> Tensor")
-        library.impl("column_sums", lambda x: (x.double() * 2).sum(0).float(), "CPU")
+        library.define("column_sums.twice(Tensor x) -> Tensor")
+        library.impl("column_sums.twice", lambda x: (x.double() * 2).sum(0).float(), "CPU")
         model = torch.nn.Linear(4, 4)
         inputs, labels = torch.randn(1000, 256), torch.zeros(1000, dtype=torch.int64)
         tracker = AllocationTracker(model, torch.optim.SGD(model.parameters()))
         with tracker, torch.no_grad():
-            sums = torch.ops.scratch_test.column_sums(inputs)
+            sums = torch.ops.scratch_test.column_sums.twice(inputs)
             loss = torch.nn.functional.cross_entropy(inputs, labels)
     finally:
         library._destroy()
@@ -147,6 +150,13 @@ def test_the_count_without_scratch_leaves_out_what_an_operation_frees_inside_its
     without = device_snapshot(tracker.peak_without_scratch, cpu)
     assert model_bytes + sums.nbytes + log_softmax <= without < model_bytes + double
     assert without <= model_bytes + sums.nbytes + log_softmax + loss.nbytes + 4096  # nll's own
+
+    square = torch.randn(512, 512)
+    tracker = AllocationTracker(model, torch.optim.SGD(model.parameters()))
+    with tracker, torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        product = torch.addmm(square, square, square)
+    casts = 3 * square.nelement() * 2  # each operand in bfloat16, freed as addmm returns
+    assert device_snapshot(tracker.peak_without_scratch, cpu) >= model_bytes + casts + product.nbytes
 
 
 def test_the_allocators_count_starts_with_the_4bit_scales():

@@ -42,6 +42,9 @@ RECORD_FIELDS = {
                                         "the peak per parameter (of a process's share)"),
     "tracked_steps": ("always", "optimizer steps the meter tracked"),
     "memory_counted_by": ("always", "MemTracker, or the allocator's events under --compile"),
+    "peak_without_scratch_bytes": ("under --compile", "the allocator's peak without the scratch "
+                                   "space an operation frees before it returns, which MemTracker "
+                                   "and --estimate do not count (the highest over processes)"),
     "cuda_max_allocated_bytes": ("on CUDA", "torch.cuda.max_memory_allocated over the whole run "
                                  "(the highest over processes)"),
     "cuda_max_reserved_bytes": ("on CUDA", "torch.cuda.max_memory_reserved, likewise"),
