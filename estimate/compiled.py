@@ -24,7 +24,7 @@ counts them as they run. What inductor's kernels hold cannot be generated withou
 generator, so it is bounded from both sides:
 - fused (the prediction): each pointwise operation whose every consumer is a pointwise operation
   or a reduction (through views) is computed inside its consumer's kernel and never held; the
-  inputs it reads live until that kernel runs. So is a fill (zeros) read so or copied by a
+  inputs it reads live until that kernel runs. So is a fill (zeros, a range) read so or copied by a
   scatter (an embedding's gradient: an index_put into zeros), and so are values of dynamic
   shapes, their stand-ins shaped as the graph runs. Inductor fuses about so: it keeps a few such
   values in buffers, and fuses some this does not (random numbers, which are held here), so it is
@@ -37,6 +37,7 @@ from dataclasses import dataclass
 
 import torch
 import torch._functorch.config
+import torch._prims_common
 from torch._dynamo.backends.common import aot_autograd
 from torch._dynamo.backends.debugging import boxed_nop
 from torch._inductor.compile_fx import partition_fn as inductor_partition
@@ -122,10 +123,12 @@ def in_kernel(node):
     return node.target in INLINED_VIEWS and all(in_kernel(user) for user in node.users)
 
 
-# tensors of one value everywhere: inductor computes them wherever they are read, as pointwise
-# operations, so they are held only where a consumer needs a buffer
+# tensors computed from their index alone (one value everywhere, or a range: iota, arange's
+# decomposition): inductor computes them wherever they are read, as pointwise operations, so
+# they are held only where a consumer needs a buffer
 FILLS = {aten.full.default, aten.full_like.default, aten.zeros.default, aten.zeros_like.default,
-         aten.ones.default, aten.ones_like.default, aten.scalar_tensor.default}
+         aten.ones.default, aten.ones_like.default, aten.scalar_tensor.default,
+         torch.ops.prims.iota.default}
 # operations that write into a copy of their first input (inductor lowers each as a clone of it,
 # then the in-place operation): a fill copied so is computed straight into that copy, the output
 SCATTERS_INTO_A_COPY = {aten.index_put.default, aten._unsafe_index_put.default,
@@ -166,6 +169,8 @@ def shape_of(node):
     value = node.meta["val"]
     if all(isinstance(size, int) for size in value.shape):
         return tuple(value.shape), ()
+    if node.target is torch.ops.prims.iota.default:  # its length
+        return (node.args[0],), ()
     if node.target in FILLS:  # a size, or the shape of a tensor `*_like`
         return (None, (node.args[0],)) if is_tensor(node.args[0]) else (node.args[0], ())
     tensors = [each for each in node.all_input_nodes if is_tensor(each)]
@@ -200,10 +205,33 @@ def stand_in(like, shaped_as, *inputs):
     return tensor
 
 
+# views that need their input's layout to be one a view can take (reshape's rule)
+LAYOUT_VIEWS = {aten.view.default, aten._unsafe_view.default}
+
+
+def view_of_the_bytes(tensor, shape):
+    """`tensor` viewed as `shape`; where its layout forbids the view, the same bytes taken as
+    laid out contiguously, then viewed. An operation that reads a stand-in (no layout: every
+    stride 0) lays its output out as its other inputs are, so a value can reach a view in
+    another layout than the graph recorded (a transposed one, from attention's heads); in
+    inductor it had the recorded one. Only the layout differs: an alias of a dense value's
+    bytes holds what the graph's view would."""
+    try:
+        return tensor.view(shape)
+    except (RuntimeError, ValueError):
+        if not torch._prims_common.is_non_overlapping_and_dense_or_false(tensor):
+            raise
+        contiguous = torch._prims_common.make_contiguous_strides_for(tensor.shape)
+        return tensor.as_strided(tensor.shape, contiguous, tensor.storage_offset()).view(shape)
+
+
 def with_fusion(graph):
-    """`graph` (a GraphModule) with each value that inductor fuses away replaced by a stand-in."""
+    """`graph` (a GraphModule) with each value that inductor fuses away replaced by a stand-in,
+    and each view that needs a layout taken of the value's bytes (view_of_the_bytes)."""
     for node in list(graph.graph.nodes):
-        if fused_away(node):
+        if is_operator(node) and node.target in LAYOUT_VIEWS:
+            node.target = view_of_the_bytes
+        elif fused_away(node):
             value, (shape, shaped_as) = node.meta["val"], shape_of(node)
             inputs = [] if node.target in FILLS else node.all_input_nodes  # (a fill reads none)
             with graph.graph.inserting_before(node):

@@ -83,6 +83,17 @@ def test_the_zeros_an_embeddings_gradient_accumulates_into_are_computed_in_its_c
     assert "full" not in fused_names(graph_of(zeros_multiplied, torch.randn(16, 4)))
 
 
+def test_a_range_compared_in_a_kernel_is_computed_there():
+    """A range (iota, which arange decomposes into) is computed from its index where it is
+    read, as a fill is (a one-hot mask over the vocabulary, in a causal-lm's backward)."""
+    def one_hot(tokens):
+        return (torch.arange(100) == tokens[:, None]).sum(0)
+
+    graph = graph_of(one_hot, torch.randint(0, 100, (8,)))
+    assert torch.ops.prims.iota.default in {node.target for node in graph.graph.nodes}
+    assert "iota" in fused_names(graph)
+
+
 def test_values_of_dynamic_shapes_are_fused_with_the_shape_they_have_as_they_run():
     """A graph recompiled for dynamic shapes (05e's pieces): its pointwise chain is fused, each
     stand-in shaped as its inputs broadcast when the graph runs, at any size."""
@@ -99,3 +110,19 @@ def test_values_of_dynamic_shapes_are_fused_with_the_shape_they_have_as_they_run
     assert broadcast_is((2, 3), [(2, 3), (3,)]) and broadcast_is((2, 3), [(1, 3), (2, 1)])
     assert not broadcast_is((2, 3), [(1, 3)]) and not broadcast_is((2, 3), [(2, 4)])
     assert not broadcast_is((2, 3), [(3,)])  # nothing gives the first size
+
+
+def test_a_view_of_a_value_laid_out_by_a_stand_in_takes_its_bytes():
+    """A pointwise operation that reads a stand-in (no layout) and a transposed value lays its
+    output out transposed, where the graph recorded it contiguous (attention's heads merged
+    back, in the causal-lm Llama): the graph's view of it then takes the same bytes."""
+    from estimate.compiled import with_fusion
+
+    def heads_merged(scores, heads, weight):
+        return ((scores * 2) * heads.transpose(1, 2)).view(2, 6, 12) @ weight
+
+    inputs = torch.randn(2, 6, 3, 4), torch.randn(2, 3, 6, 4), torch.randn(12, 5)
+    graph = graph_of(heads_merged, *inputs)
+    assert torch.ops.aten.view.default in {node.target for node in graph.graph.nodes}
+    assert fused_names(graph) == {"mul"}  # scores * 2, read inside the next product's kernel
+    assert with_fusion(graph)(*inputs).shape == (2, 6, 5)
