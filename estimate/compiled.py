@@ -215,7 +215,8 @@ def view_of_the_bytes(tensor, shape):
     stride 0) lays its output out as its other inputs are, so a value can reach a view in
     another layout than the graph recorded (a transposed one, from attention's heads); in
     inductor it had the recorded one. Only the layout differs: an alias of a dense value's
-    bytes holds what the graph's view would."""
+    bytes holds what the graph's view would. A value not dense (a slice of such a value) stops
+    the run, and the estimate runs the graphs unfused (predict.py)."""
     try:
         return tensor.view(shape)
     except (RuntimeError, ValueError):

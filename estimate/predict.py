@@ -71,7 +71,8 @@ def predict(script_path, argv, world_size=1, gpu=DEFAULT_GPU, any_batch_size=Fal
             if not compiles(script_path, argv):
                 raise
             # a stand-in for a fused value takes no memory, and so no layout: an operation that
-            # needs the layout the value had (a view of a transposed result) stops the run. The
+            # needs a layout the emulation cannot give (a view of a slice of a value laid out
+            # otherwise than inductor's: compiled.py, view_of_the_bytes) stops the run. The
             # graphs then run with nothing fused, the range's upper side, said in the summary
             if os.environ.get("ESTIMATE_TRACEBACK"):
                 traceback.print_exc()

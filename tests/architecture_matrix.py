@@ -91,8 +91,9 @@ def write_model(folder, name):
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.json").write_text(json.dumps(dict(model_type=model_type, **arguments)))
     if is_text(name):
+        tokenizer = fetch(MINILM, TOKENIZER_FILES)  # (checks these files only, not the weights)
         for file in TOKENIZER_FILES:
-            shutil.copyfile(fetch(MINILM) / file, folder / file)
+            shutil.copyfile(tokenizer / file, folder / file)
     return folder
 
 

@@ -12,6 +12,7 @@ import sys
 
 import pytest
 
+from architecture_matrix import TOKENIZER_FILES
 from common.packaged import fetch
 from common.presets import MINILM
 from conftest import QUICK, ROOT, load_script, script_path
@@ -31,8 +32,8 @@ def models(tmp_path_factory):
     """{"text": a BERT with MiniLM's tokenizer and no weights, "images": a ViT, config only}."""
     root = tmp_path_factory.mktemp("models")
     text = write_config(root / "bert", model_type="bert", vocab_size=30522, **SMALL)
-    for name in ("vocab.txt", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-        shutil.copyfile(fetch(MINILM) / name, text / name)
+    for name in TOKENIZER_FILES:
+        shutil.copyfile(fetch(MINILM, TOKENIZER_FILES) / name, text / name)
     images = write_config(root / "vit", model_type="vit", image_size=32, patch_size=8, **SMALL)
     return {"text": text, "images": images}
 

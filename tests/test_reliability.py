@@ -91,7 +91,8 @@ def test_every_script_runs_its_main_through_the_same_last_lines():
 
 @pytest.mark.parametrize("flags, marker, said", [
     (["--device", "cpu"], "[1/", "estimates: no table"),
-    (["--gpu-memory", "1GB", "--steps", "04", "05"], "searching the largest",  # two: workers
+    # two scripts, searched by workers (named in full: "04" would also pick its 8 branches)
+    (["--gpu-memory", "1GB", "--steps", "04_grad_accum", "05_sgd_cosine"], "searching the largest",
      "during the --gpu-memory search"),
 ])
 def test_ctrl_c_in_the_estimate_stops_its_workers_and_says_so(tmp_path, flags, marker, said):
