@@ -32,8 +32,9 @@ def models(tmp_path_factory):
     """{"text": a BERT with MiniLM's tokenizer and no weights, "images": a ViT, config only}."""
     root = tmp_path_factory.mktemp("models")
     text = write_config(root / "bert", model_type="bert", vocab_size=30522, **SMALL)
+    tokenizer = fetch(MINILM, TOKENIZER_FILES)
     for name in TOKENIZER_FILES:
-        shutil.copyfile(fetch(MINILM, TOKENIZER_FILES) / name, text / name)
+        shutil.copyfile(tokenizer / name, text / name)
     images = write_config(root / "vit", model_type="vit", image_size=32, patch_size=8, **SMALL)
     return {"text": text, "images": images}
 
