@@ -40,8 +40,11 @@ import torch._functorch.config
 import torch._prims_common
 from torch._dynamo.backends.common import aot_autograd
 from torch._dynamo.backends.debugging import boxed_nop
+from torch._guards import detect_fake_mode
 from torch._inductor.compile_fx import partition_fn as inductor_partition
 from torch._inductor.decomposition import select_decomp_table
+from torch._inductor.virtualized import V
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import FlopCounterMode
 
@@ -56,9 +59,17 @@ class Partition:
 
 def inductor_graphs(forward_compiler, backward_compiler):
     """A torch.compile backend that hands the two graphs inductor would be given (its own
-    decompositions, its joint-graph passes, then the min-cut partition) to the two compilers."""
-    return aot_autograd(fw_compiler=forward_compiler, bw_compiler=backward_compiler,
-                        decompositions=select_decomp_table(), partition_fn=inductor_partition)
+    decompositions, its joint-graph passes, then the min-cut partition) to the two compilers.
+    Run, as inductor runs them, with the graph's fake mode set where its passes look for it
+    (random numbers' seeds, made when a model has dropout, are combined under it)."""
+    backend = aot_autograd(fw_compiler=forward_compiler, bw_compiler=backward_compiler,
+                           decompositions=select_decomp_table(), partition_fn=inductor_partition)
+
+    def compile_graph(graph, example_inputs):
+        fake_mode = detect_fake_mode(example_inputs) or FakeTensorMode(allow_non_fake_inputs=True)
+        with V.set_fake_mode(fake_mode):
+            return backend(graph, example_inputs)
+    return compile_graph
 
 
 def saved_by_forward(backward_graph):

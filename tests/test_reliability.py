@@ -91,7 +91,7 @@ def test_every_script_runs_its_main_through_the_same_last_lines():
 
 @pytest.mark.parametrize("flags, marker, said", [
     (["--device", "cpu"], "[1/", "estimates: no table"),
-    # two scripts, searched by workers (named in full: "04" would also pick its 8 branches)
+    # two scripts, searched by workers (named in full: "04 05" would pick 13, their branches too)
     (["--gpu-memory", "1GB", "--steps", "04_grad_accum", "05_sgd_cosine"], "searching the largest",
      "during the --gpu-memory search"),
 ])

@@ -126,3 +126,19 @@ def test_a_view_of_a_value_laid_out_by_a_stand_in_takes_its_bytes():
     assert torch.ops.aten.view.default in {node.target for node in graph.graph.nodes}
     assert fused_names(graph) == {"mul"}  # scores * 2, read inside the next product's kernel
     assert with_fusion(graph)(*inputs).shape == (2, 6, 5)
+
+
+def test_a_model_with_dropout_is_partitioned_as_inductor_partitions_it():
+    """Inductor's joint-graph passes combine the seeds of random numbers (dropout: GPT-2's
+    default) under the graph's fake mode, which the estimate's backend sets as inductor does."""
+    from torch._dynamo.backends.debugging import boxed_nop
+
+    from estimate.compiled import inductor_graphs
+    layer = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Dropout(0.5))
+    torch._dynamo.reset()
+    try:
+        compiled = torch.compile(layer, backend=inductor_graphs(boxed_nop, boxed_nop))
+        compiled(torch.randn(2, 4)).sum().backward()
+    finally:
+        torch._dynamo.reset()
+    assert layer[0].weight.grad is not None
