@@ -363,17 +363,23 @@ def run_on_fake_tensors(script_path, argv, world_size=1, gpu=gpu_choices.DEFAULT
     `fused`: what torch.compile compiles runs with its pointwise operations fused, or without
     (estimate/compiled.py).
     """
-    emulate_cuda = wants_cuda_emulation(argv)
-    # what lives now is frozen for the run: the collection that measure_creation starts with
-    # then scans only what the run makes (a third of a second less each run); thawed at its end.
-    # Where something froze it already (the workers' pool, a test), it is left as it is
+    with collector_frozen():
+        return fake_run(script_path, argv, world_size, gpu, any_batch_size, every_micro_batch,
+                        probe, wants_cuda_emulation(argv), fused)
+
+
+@contextmanager
+def collector_frozen():
+    """What lives now frozen for the garbage collector while inside: the collection that each
+    run's measure_creation starts with then scans only what the runs made (a third of a second
+    less each run); thawed on leaving. Where something froze it already (the workers' pool, a
+    test, the estimate by blocks around its probes), it is left as it is."""
     thaw = gc.get_freeze_count() == 0
     if thaw:
         gc.collect()
         gc.freeze()
     try:
-        return fake_run(script_path, argv, world_size, gpu, any_batch_size, every_micro_batch,
-                        probe, emulate_cuda, fused)
+        yield
     finally:
         if thaw:
             gc.unfreeze()
