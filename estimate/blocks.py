@@ -14,7 +14,9 @@ and a+2), and writes the allocation trace of N from them:
    allocated earlier; `learn` finds, for each such event of the two smaller probes, the rule
    that names its storage in both: a fixed storage, or a copy counted from the region's start or end, or
    from the event's own copy, the same way round or mirrored (backward frees the last block's
-   first);
+   first). Where no rule holds for a region, its unit may start a few events late (alike in
+   size, not in meaning): the region then starts earlier, an event at a time, while its copies
+   stay alike;
 3. `synthesise` writes the trace with any number of copies per region from those rules. It is
    checked first on the largest probe, which the rules were not learned from: if that is not
    the probe's own trace, event for event, the estimate runs the whole model instead.
@@ -39,6 +41,7 @@ CREATION, TRAINING = ("creation",), ("training",)  # where creation's events sta
 PROBES = ((2, 3, 4), (3, 4, 5))
 SHARDED_PROBES = ((3, 4, 5),)
 FEWEST_PERIODS = 12  # a model with fewer periods runs whole: the probes would save little
+MOST_MOVES = 64  # events by which extend moves regions' starts in all, each move a learn (ms)
 # the model types tests/estimate/test_blocks.py checks by blocks against the whole run
 ARCHITECTURES_BY_BLOCKS = {"bert", "roberta", "distilbert", "deberta-v2", "modernbert", "gpt2",
                            "llama", "mistral", "qwen2", "bloom", "vit"}
@@ -371,7 +374,7 @@ def extend(traces, periods, total):
         smallest = [(start - shift, copies - 1, length)
                     for (start, copies, length), shift in zip(found, shifts)]
         template = Probe(traces[1], periods[1], found)
-        try:  # the largest probe: the check
+        try:
             rules = learn([Probe(traces[0], periods[0], smallest), template])
             break
         except NoRule as problem:
@@ -380,11 +383,11 @@ def extend(traces, periods, total):
             # temporaries, and the last copy with the final norm's, alike in size. Its copies
             # start an event earlier while the event before the region is its unit's last
             number = problem.region
-            if moved[number] + 1 >= found[number][2] or not (
-                    movable(shapes[1], found, number) and movable(shapes[0], smallest, number)):
+            if not (moved[number] + 1 < found[number][2] and sum(moved) < MOST_MOVES
+                    and movable(shapes[1], found, number) and movable(shapes[0], smallest, number)):
                 raise
             moved[number] += 1
-    if synthesise(template, rules, periods[2]) != renumbered(traces[2]):
+    if synthesise(template, rules, periods[2]) != renumbered(traces[2]):  # the check
         raise NotByBlocks("the largest probe is not what the smaller ones predict")
     return synthesise(template, rules, total)
 

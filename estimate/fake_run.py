@@ -374,22 +374,24 @@ def collector_frozen():
     run's measure_creation starts with then scans only what the runs made (a third of a second
     less each run); thawed on leaving. Where something froze it already (the workers' pool, a
     test, the estimate by blocks around its probes), it is left as it is."""
-    global frozen_here
-    # (inside, it was: gc.get_freeze_count walks every frozen object, 30 ms each time)
-    thaw = not frozen_here and gc.get_freeze_count() == 0
+    global inside
+    if inside:  # (asked once: gc.get_freeze_count walks every frozen object, 30 ms a time)
+        yield
+        return
+    thaw = gc.get_freeze_count() == 0
     if thaw:
         gc.collect()
         gc.freeze()
-        frozen_here = True
+    inside = True
     try:
         yield
     finally:
+        inside = False
         if thaw:
             gc.unfreeze()
-            frozen_here = False
 
 
-frozen_here = False  # inside collector_frozen, which froze the collector
+inside = False  # within collector_frozen
 
 
 def fake_run(script_path, argv, world_size, gpu, any_batch_size, every_micro_batch, probe,
