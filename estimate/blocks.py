@@ -262,11 +262,13 @@ def fit_rule(seen):
 
 
 class NoRule(NotByBlocks):
-    """No rule names a storage in every copy of `region` (a region's number)."""
+    """No rule names a storage in every copy; `regions`: the regions involved (the events',
+    then those of the storages they name), any of which may be the one found misaligned."""
 
-    def __init__(self, region):
-        super().__init__(f"a storage is named differently from copy to copy of region {region}")
-        self.region = region
+    def __init__(self, regions):
+        super().__init__("a storage is named differently from copy to copy (regions "
+                         f"{', '.join(map(str, regions))})")
+        self.regions = regions
 
 
 def learn(probes):
@@ -281,11 +283,11 @@ def learn(probes):
         try:
             rules[key] = fit_rule(found)
         except NotByBlocks:
-            region = key[1] if key[0] == "r" else next(
-                (target[1] for _, target, _ in found if target[0] == "r"), None)
-            if region is None:
+            regions = [key[1]] if key[0] == "r" else []
+            regions += [target[1] for _, target, _ in found if target[0] == "r"]
+            if not regions:
                 raise
-            raise NoRule(region) from None
+            raise NoRule(list(dict.fromkeys(regions))) from None
     return rules
 
 
@@ -378,13 +380,15 @@ def extend(traces, periods, total):
             rules = learn([Probe(traces[0], periods[0], smallest), template])
             break
         except NoRule as problem:
-            # the found region's unit may start where its events repeat but their meaning does
+            # a found region's unit may start where its events repeat but their meaning does
             # not: Adafactor's step for Llama ends each copy with the next block's first
-            # temporaries, and the last copy with the final norm's, alike in size. Its copies
-            # start an event earlier while the event before the region is its unit's last
-            number = problem.region
-            if not (moved[number] + 1 < found[number][2] and sum(moved) < MOST_MOVES
-                    and movable(shapes[1], found, number) and movable(shapes[0], smallest, number)):
+            # temporaries, and the last copy with the final norm's, alike in size. The first
+            # region involved that can starts an event earlier, its copies still alike
+            number = next((number for number in problem.regions
+                           if moved[number] + 1 < found[number][2]
+                           and movable(shapes[1], found, number)
+                           and movable(shapes[0], smallest, number)), None)
+            if number is None or sum(moved) >= MOST_MOVES:
                 raise
             moved[number] += 1
     if synthesise(template, rules, periods[2]) != renumbered(traces[2]):  # the check

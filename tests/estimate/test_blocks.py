@@ -127,3 +127,39 @@ def test_a_region_found_a_few_events_late_starts_where_its_copies_mean_the_same(
     monkeypatch.setattr(blocks, "movable", lambda *args: False)
     with pytest.raises(blocks.NotByBlocks, match="named differently"):
         blocks.extend([trace(2), trace(3), trace(4)], [2, 3, 4], 9)
+
+
+def test_a_region_found_late_moves_where_another_region_frees_its_storages(monkeypatch):
+    """Found late in forward, seen from backward: each block's backward frees a storage its own
+    forward made and one the next block's made (after the last block, the head's). The rule
+    that fails is backward's, the region to move forward's, which made the storages: both are
+    named, and the first that can move does (refused if only backward's were named)."""
+    def trace(count):
+        events, made, number = [("alloc", 0, 8, "cpu", "Parameter")], [], 1
+        for _ in range(count):  # forward: a block makes a storage of 4 bytes and one of 2
+            events += [("alloc", number, 4, "cpu", "Activation"),
+                       ("alloc", number + 1, 2, "cpu", "Activation")]
+            made.append((number, number + 1))
+            number += 2
+        head, loss = number, number + 1  # the head starts as a block does, with 4 bytes
+        events += [("alloc", head, 4, "cpu", "Activation"), ("alloc", loss, 4, "cpu", "Activation")]
+        events += [("alloc", number + 2 + size, 64 + size, "cpu", "Temp") for size in range(20)]
+        events += [("free", number + 2 + size) for size in range(20)]  # (the head's own work)
+        for index in reversed(range(count)):
+            events += [("free", made[index][1]),
+                       ("free", loss if index == count - 1 else made[index + 1][0])]
+        return events + [("free", head), ("free", made[0][0])]
+
+    written = blocks.extend([trace(2), trace(3), trace(4)], [2, 3, 4], 9)
+    assert blocks.renumbered(written) == blocks.renumbered(trace(9))
+    learn = blocks.learn
+
+    def naming_the_failing_events_region_only(probes):
+        try:
+            return learn(probes)
+        except blocks.NoRule as problem:
+            problem.regions = problem.regions[:1]
+            raise
+    monkeypatch.setattr(blocks, "learn", naming_the_failing_events_region_only)
+    with pytest.raises(blocks.NotByBlocks, match="named differently"):
+        blocks.extend([trace(2), trace(3), trace(4)], [2, 3, 4], 9)
