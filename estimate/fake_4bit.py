@@ -29,7 +29,7 @@ import torch
 from bitsandbytes import functional
 from bitsandbytes.nn import Linear4bit as BitsandbytesLinear4bit
 
-from estimate import gpu_choices
+from estimate import gpu_choices, sizes
 
 CUDA_OPS = Path(bitsandbytes.__file__).parent / "backends" / "cuda" / "ops.py"
 
@@ -125,6 +125,7 @@ def dequantized_on_gpu(layer, x):
     state = layer.weight.quant_state
     rows, (outputs, inputs) = x.numel() // x.shape[-1], state.shape
     dtype = layer.compute_dtype or x.dtype
+    sizes.note_choice("bitsandbytes' 4-bit matmul kernel, chosen by its rows")
     if fused_on_gpu(rows, outputs, inputs, state.blocksize, dtype, layer.gpu):
         yield
         return
@@ -144,18 +145,17 @@ def fused_on_gpu(rows, outputs, inputs, blocksize, dtype, gpu):
     times an outputs x inputs weight on the emulated GPU: its kernel's rule, which leaves more
     rows than _gemm_4bit_custom_max_m or inputs not in whole blocks to dequantize-then-linear,
     and asks bitsandbytes' per-architecture rule for the rest."""
-    rule = cuda_rule(gpu.name)
+    rule = cuda_rule(gpu.multiprocessors, tuple(gpu.capability))
     if rows > rule["_gemm_4bit_custom_max_m"] or inputs % blocksize:
         return False
     return rule["_gemm_4bit_use_custom_cuda"](0, dtype, rows, outputs, inputs)
 
 
 @functools.cache
-def cuda_rule(gpu_name):
+def cuda_rule(multiprocessors, capability):
     """bitsandbytes' CUDA dispatch rule, read from its source (the module imports only where
     CUDA is), with the emulated GPU's multiprocessors and compute capability in place of the
     device's: {name: value} of its module-level constants and functions that the rule uses."""
-    gpu = next(gpu for gpu in gpu_choices.GPUS.values() if gpu.name == gpu_name)
     tree = ast.parse(CUDA_OPS.read_text())
     wanted = {"_GEMM_4BIT_CUSTOM_FLOOR_M", "_gemm_4bit_custom_max_m", "_gemm_4bit_use_custom_cuda"}
     nodes = []
@@ -168,7 +168,7 @@ def cuda_rule(gpu_name):
             if names & wanted:
                 nodes.append(each)
     rule = {"torch": torch, "functools": functools,
-            "_gpu_dispatch_props": lambda index: (gpu.multiprocessors, *gpu.capability)}
+            "_gpu_dispatch_props": lambda index: (multiprocessors, *capability)}
     exec(compile(ast.Module(body=nodes, type_ignores=[]), str(CUDA_OPS), "exec"), rule)  # noqa: S102
     missing = wanted - set(rule)
     if missing:

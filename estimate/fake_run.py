@@ -36,7 +36,7 @@ from common.memory import measure_creation as real_measure_creation
 from common.model import classification_head, initialise, model_class, model_config, offloads_to_host
 from common.presets import is_text
 from common.progress import Progress
-from estimate import gpu_choices
+from estimate import gpu_choices, sizes
 from estimate.allocation_trace import AllocationTrace
 from estimate.contract import EstimateError, check_contract, required_names
 from estimate.fake_tensor_patches import (
@@ -82,6 +82,8 @@ class FakeRun:
     probe: int = None  # periods of blocks this run cuts the model to (blocks.py), or None: whole
     periods: int = None  # a probe's: the periods of blocks of the whole model (blocks.py)
     blocks: tuple = None  # a probe's (blocks of the whole model, its own blocks)
+    gpu_read: object = None  # the emulated GPU as the run reads it (gpu_choices.ReadGpu)
+    size_choices: list = field(default_factory=list)  # choices made by the micro-batch's size (sizes.py)
 
     def training_events(self):
         return self.trace.events[self.creation_events.stop:]
@@ -209,7 +211,7 @@ def stand_ins(run, world_size):
         attention = preset.config.get("attn_implementation") or (  # one its config asks for
             "sdpa" if model_class(preset)._supports_sdpa else "eager")
         if run.emulate_cuda and attention == "sdpa":
-            attention = gpu_choices.register_gpu_attention(run.gpu)
+            attention = gpu_choices.register_gpu_attention(run.gpu_read)
         config = model_config(preset)
         if run.probe is not None:  # the model cut to a few periods of its blocks (blocks.py)
             from estimate.blocks import cut_for_probe
@@ -338,6 +340,18 @@ def fewer_micro_batches(parse_args, run, world_size):
     return parse
 
 
+def noting_pieces(function, chunks):
+    """The fused loss's autograd.Function, which notes as it runs that its pieces are
+    ceil(tokens / `chunks`) tokens of the micro-batch: byte counts off the line of sizes."""
+    class Noted(function):
+        @staticmethod
+        def forward(*args, **kwargs):
+            sizes.note_choice(f"the fused loss's pieces of ceil(tokens / {chunks})")
+            return function.forward(*args, **kwargs)
+    Noted.__name__ = function.__name__
+    return Noted
+
+
 def wants_cuda_emulation(argv):
     """--device cpu asks for the CPU itself (no GPU emulation); anything else predicts a GPU."""
     parser = argparse.ArgumentParser(add_help=False)
@@ -398,17 +412,22 @@ def fake_run(script_path, argv, world_size, gpu, any_batch_size, every_micro_bat
              emulate_cuda, fused):
     """run_on_fake_tensors' run, its garbage collector set."""
     run = FakeRun(script=Path(script_path).stem, emulate_cuda=emulate_cuda, gpu=gpu,
-                  any_batch_size=any_batch_size, probe=probe)
+                  any_batch_size=any_batch_size, probe=probe,
+                  gpu_read=gpu_choices.ReadGpu(gpu_choices.GPUS[gpu]))
     module = import_script(script_path, prefix="estimated")
     check_contract(module, Path(script_path).name)
     replacements = stand_ins(run, world_size)
     if "Params4bit" in required_names(module):  # 07b: its script has imported bitsandbytes
         from estimate.fake_4bit import stand_ins as four_bit_stand_ins
-        replacements.update(four_bit_stand_ins(emulate_cuda, gpu_choices.GPUS[run.gpu]))
+        replacements.update(four_bit_stand_ins(emulate_cuda, run.gpu_read))
     for name in required_names(module):
         setattr(module, name, replacements[name])
     if emulate_cuda and not every_micro_batch:  # (on the CPU the batch itself is on the device)
         module.parse_args = fewer_micro_batches(module.parse_args, run, world_size)
+    if hasattr(module, "FusedLinearCrossEntropy"):  # 05h, 10: a choice by the size (sizes.py)
+        module.FusedLinearCrossEntropy = noting_pieces(module.FusedLinearCrossEntropy,
+                                                       module.LOSS_CHUNKS)
+    sizes.CHOICES.clear()
     script_argv = [*without_estimate_flag(argv), *QUICK_RUN, "--device", "cpu"]
     fake_mode = FakeModeReadingZeros(allow_non_fake_inputs=True, cuda_batch_norm=emulate_cuda)
     with ExitStack() as stack:
@@ -439,6 +458,7 @@ def fake_run(script_path, argv, world_size, gpu, any_batch_size, every_micro_bat
         # the warnings of a run that went through; not a script's notes on its accuracy (07a)
         sys.stderr.writelines(line for line in messages.getvalue().splitlines(keepends=True)
                               if not line.startswith("note: "))
+    run.size_choices = list(dict.fromkeys(sizes.CHOICES))
     if run.record is None or run.meter_result is None:
         raise EstimateError(f"{run.script} ran without reporting a result: it must measure its "
                             "steps with MemoryMeter and end with report(), as the numbered scripts do")

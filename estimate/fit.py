@@ -21,12 +21,15 @@ each side of it settles the answer, usually two estimates after the asked row. E
 is kept (cache.py): the stack's and a later run's searches reuse what was estimated before.
 """
 import re
+import shutil
+import sys
 from concurrent.futures import as_completed
 from dataclasses import dataclass, field
 
 from estimate.gpu_choices import DEFAULT_GPU
-from estimate.predict import Row, attempt
+from estimate.predict import Row, attempt, attempt_run, compiles, record_of, replayed
 from estimate.records import GB, size_text
+from estimate.sizes import SMALLEST, Family, NotBySizes, canonical
 from estimate.workers import worker_pool
 
 UNITS = {"": GB, "b": 1, "kb": 10**3, "mb": 10**6, "gb": GB, "tb": 10**12,
@@ -34,6 +37,8 @@ UNITS = {"": GB, "b": 1, "kb": 10**3, "mb": 10**6, "gb": GB, "tb": 10**12,
          "g": 2**30, "t": 2**40}
 MAX_ESTIMATES = 12  # per script: two for the line, then confirmations (usually two)
 MAX_MICRO_BATCH = 4096  # per GPU: the search stops there ("4096+")
+NOT_SEARCHED = ("compiled: its memory budget is solved over the whole joint graph of the step, "
+                "so it is estimated once, at the asked size (no search)")
 
 
 def parse_size(text):
@@ -57,8 +62,11 @@ class Fit:
     capacity: int = 0       # bytes the GPU has for PyTorch (--gpu-memory)
     largest: int | None = None  # the largest micro-batch per GPU that fits (None: not even 1)
     capped: bool = False    # MAX_MICRO_BATCH fits: the largest may be larger
-    tried: dict = field(default_factory=dict)  # micro-batch: (allocated, reserved) bytes
+    tried: dict = field(default_factory=dict)  # micro-batch: (allocated, reserved) bytes, estimated
     problem: str | None = None
+    not_searched: str | None = None  # why the asked batch alone was estimated
+    written: int = 0  # sizes written from the line of sizes (sizes.py) and replayed
+    not_by_sizes: str | None = None  # why the sizes were estimated one by one instead
 
 
 def micro_row(script, base_argv, world_size, micro, accumulates, gpu=DEFAULT_GPU):
@@ -72,7 +80,104 @@ def micro_row(script, base_argv, world_size, micro, accumulates, gpu=DEFAULT_GPU
 
 
 def search(script, base_argv, world_size, capacity, accumulates, known=None, gpu=DEFAULT_GPU,
-           cap=MAX_MICRO_BATCH, per_sample=None):
+           cap=MAX_MICRO_BATCH, per_sample=None, known_rows=None):
+    """The largest micro-batch per process of `script` whose predicted reserved memory is at
+    most `capacity` bytes (to the granule: one sample up to 32, then 8), or `cap` (search_by_
+    estimates' arguments): from the traces of a few sizes, written for any size (sizes.py) and
+    replayed; the answer and the next size up each confirmed by an estimate of its own, unless
+    the line was checked already on a size it was not drawn through, and the size lies between
+    sizes estimated. `known_rows`: {micro-batch: Row} whose runs stand for the `known` points
+    (the table's asked row). Where the runs make no family of sizes, every size tried is
+    estimated (search_by_estimates), the runs made so far counted."""
+    found = Fit(script.stem, accumulates, capacity=capacity, tried=dict(known or {}))
+    runs = {}
+    for micro in found.tried:
+        row = (known_rows or {}).get(micro) or micro_row(script, base_argv, world_size, micro,
+                                                           accumulates, gpu)
+        kept, _, _ = attempt_run(row)  # kept: the estimate that made the known point
+        if kept is not None:
+            runs[micro] = kept
+
+    def estimated(micro):
+        kept, problem, _ = attempt_run(micro_row(script, base_argv, world_size, micro,
+                                                 accumulates, gpu))
+        if problem:
+            raise RuntimeError(problem)
+        record = record_of(kept, gpu)
+        runs[micro], found.tried[micro] = kept, (record["allocated_bytes"], record["reserved_bytes"])
+
+    try:
+        while len([size for size in runs if size >= SMALLEST]) < 2:  # two sizes draw the line
+            guess = max(first_guess(found.tried, capacity, per_sample, cap), SMALLEST)
+            if guess in runs:  # (nothing says how far the answer is: a size well above)
+                guess = min(cap, 8 * next_size(max(runs)))
+            if guess in runs or guess < SMALLEST:
+                raise NotBySizes(f"the search may try too few sizes (up to {cap})")
+            estimated(guess)
+        for _ in range(3):  # a confirmation adds a run; the answer stands, or the family fails
+            family = Family({size: kept for size, kept in runs.items() if size >= SMALLEST})
+            written = {}
+
+            def fits(micro):
+                if micro < SMALLEST:  # its own case: estimated
+                    if micro not in runs:
+                        estimated(micro)
+                    return found.tried[micro][1] <= capacity
+                if micro not in written:
+                    kept = family.written(micro)
+                    written[micro] = replayed(kept, kept.events, gpu).reserved_bytes
+                return written[micro] <= capacity
+            answer = largest_fitting(fits, cap)
+            asked = [answer or 1] + ([next_size(answer)] if answer and answer < cap else [])
+            checked = len(family.sizes) >= 3  # the line went through a run it was not drawn from
+            due = [micro for micro in asked
+                   if micro not in runs and not (checked and family.between(micro))]
+            if not due:
+                found.largest, found.capped = answer, answer is not None and answer >= cap
+                found.written = len(written)
+                return found
+            for micro in due:
+                estimated(micro)
+                if canonical(runs[micro].events) != family.written(micro).events:
+                    raise NotBySizes(f"micro-batch {micro} is not on the line of the sizes run")
+        raise NotBySizes("the confirmations moved the answer")
+    except RuntimeError as error:
+        found.problem = str(error)
+        return found
+    except NotBySizes as why:
+        found.not_by_sizes = str(why)
+    estimates = search_by_estimates(script, base_argv, world_size, capacity, accumulates,
+                                    found.tried, gpu, cap, per_sample)
+    estimates.not_by_sizes = found.not_by_sizes
+    return estimates
+
+
+def next_size(size):
+    """The next size the answer can take above `size` (on the grid)."""
+    return snap(size) + granule(snap(size))
+
+
+def largest_fitting(fits, cap):
+    """The largest size on the grid (every size to 32, then multiples of 8), or `cap` itself,
+    at most `cap`, for which `fits(size)` (true up to some size, false above it), or None."""
+    if cap == 1 or not fits(2):  # (a size of one sample is estimated: asked last)
+        return 1 if fits(1) else None
+    if fits(cap):
+        return cap
+    low, high = 2, cap  # low fits, high does not: bisect the grid between
+    while next_size(low) < high:
+        middle = snap((low + high) // 2)
+        if middle <= low:
+            middle = next_size(low)
+        if fits(middle):
+            low = middle
+        else:
+            high = middle
+    return low
+
+
+def search_by_estimates(script, base_argv, world_size, capacity, accumulates, known=None,
+                        gpu=DEFAULT_GPU, cap=MAX_MICRO_BATCH, per_sample=None):
     """The largest micro-batch per process of `script` whose predicted reserved memory is at
     most `capacity` bytes (to the granule: one sample up to 32, then 8), confirmed on fake
     tensors: it fits, and the next size does not; or `cap` fits (the search stops there).
@@ -219,7 +324,8 @@ def search_task(row, record, capacity, accumulates):
     as_searched = not accumulates or record["accum_steps"] > 1
     known = {micro: (record["allocated_bytes"], record["reserved_bytes"])} if as_searched else {}
     return (row.script, without_batch_flags(row.argv), row.world_size, capacity, accumulates,
-            known, row.gpu, MAX_MICRO_BATCH, bytes_per_sample(record, micro) if known else None)
+            known, row.gpu, MAX_MICRO_BATCH, bytes_per_sample(record, micro) if known else None,
+            {micro: row} if known else None)
 
 
 def search_all(rows, outcomes, capacity, jobs, accumulates):
@@ -232,21 +338,28 @@ def search_all(rows, outcomes, capacity, jobs, accumulates):
         if record is None:
             fits.append(Fit(script.stem, accumulates(script), problem="its estimate failed"))
             continue
+        if compiles(script, row.argv):
+            fits.append(Fit(script.stem, accumulates(script), batch_size=record["batch_size"],
+                            world_size=record["world_size"], capacity=capacity,
+                            asked_reserved=record["reserved_bytes"], not_searched=NOT_SEARCHED))
+            continue
         tasks.append((search_task(row, record, capacity, accumulates(script)), record))
     started = (f"searching the largest batch that fits in {size_text(capacity)} for {len(tasks)} "
-               f"scripts, up to {MAX_ESTIMATES} estimates each")
+               "scripts: traces of a few sizes, written for the rest")
+    print(started, flush=True)
+    bar = ProgressBar(len(tasks), "scripts searched")
     if jobs > 1 and len(tasks) > 1:
         with worker_pool(jobs, lambda: "during the --gpu-memory search: no table of what fits, "
                          "and results/estimate.json is as it was") as pool:
             futures = [pool.submit(search, *task) for task, _ in tasks]
-            print(started, flush=True)
-            for done, future in enumerate(as_completed(futures)):
-                report_search(done, future.result(), len(tasks))
+            for future in as_completed(futures):
+                bar.advance(search_words(future.result()))
             found = [future.result() for future in futures]
     else:
-        print(started, flush=True)
-        found = [report_search(done, search(*task), len(tasks))
-                 for done, (task, _) in enumerate(tasks)]
+        found = [search(*task) for task, _ in tasks]
+        for fit in found:
+            bar.advance(search_words(fit))
+    bar.close()
     for fit, (_, record) in zip(found, tasks):
         fit.batch_size, fit.world_size = record["batch_size"], record["world_size"]
         fit.asked_reserved = record["reserved_bytes"]
@@ -255,13 +368,41 @@ def search_all(rows, outcomes, capacity, jobs, accumulates):
     return sorted(fits, key=lambda fit: order.index(fit.script))
 
 
-def report_search(done, fit, total):
-    """One line of progress for a script's finished search; returns `fit`."""
+def search_words(fit):
+    """A script's finished search in a few words."""
     answer = ("search failed" if fit.problem and fit.largest is None else
               "not even 1 sample fits" if fit.largest is None else
               f"{fit.largest}{'+' if fit.capped else ''} samples per GPU fit")
-    print(f"[{done + 1}/{total}] {fit.script}: {answer} ({len(fit.tried)} estimates)", flush=True)
-    return fit
+    return f"{fit.script}: {answer} ({estimates_words(fit)})"
+
+
+def estimates_words(fit):
+    return f"{len(fit.tried)} estimates" + (f", {fit.written} sizes written" if fit.written else "")
+
+
+class ProgressBar:
+    """Work done of `total`: on a terminal one line redrawn ([#####.....] 5/10 and the last
+    item's words), elsewhere a line per item."""
+
+    def __init__(self, total, what, stream=None):
+        self.total, self.what, self.done = total, what, 0
+        self.stream = stream or sys.stdout
+        self.terminal = self.stream.isatty()
+
+    def advance(self, words):
+        self.done += 1
+        if not self.terminal:
+            print(f"[{self.done}/{self.total}] {words}", file=self.stream, flush=True)
+            return
+        width = 24
+        filled = width * self.done // max(self.total, 1)
+        line = f"[{'#' * filled}{'.' * (width - filled)}] {self.done}/{self.total} {self.what}: {words}"
+        columns = shutil.get_terminal_size().columns
+        print("\r" + line[:columns - 1].ljust(columns - 1), end="", file=self.stream, flush=True)
+
+    def close(self):
+        if self.terminal and self.done:
+            print(file=self.stream, flush=True)
 
 
 def accumulation_for(fit):
@@ -276,6 +417,8 @@ def accumulation_for(fit):
 
 def fit_words(fit):
     """The table cell for the largest batch that fits."""
+    if fit.not_searched:
+        return "not searched (see the note)"
     if fit.problem and fit.largest is None:
         return "search failed (see the note)"
     if fit.largest is None:

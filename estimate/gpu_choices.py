@@ -72,6 +72,36 @@ class Gpu:
         the 47.75 MiB that two workspaces of the difference make)."""
         return 4096 * 8 * 1024 if 9 <= self.capability[0] <= 12 else CUBLAS_WORKSPACE_BYTES
 
+    @property
+    def flash_attention(self):
+        """Compute capability 8.0 or later: flash attention for half types, and the
+        memory-efficient kernel for bfloat16 too (below it, bfloat16 takes the math path)."""
+        return self.capability >= (8, 0)
+
+
+class ReadGpu:
+    """A Gpu whose properties a run reads are noted in `read` ({name: value}): what of the GPU
+    entered a fake run's trace, so that a kept trace serves every GPU alike in those
+    (estimate/cache.py). The replay's own choices (the cuBLAS workspace) are not a run's."""
+
+    def __init__(self, gpu):
+        self._gpu, self.read = gpu, {}
+
+    def __getattr__(self, name):
+        value = getattr(self._gpu, name)
+        self.read[name] = kept_value(value)
+        return value
+
+
+def kept_value(value):
+    """A GPU property as kept in JSON (a tuple as a list)."""
+    return list(value) if isinstance(value, tuple) else value
+
+
+def reads_match(read, gpu):
+    """Whether `gpu` (a Gpu) has every value a run read of its GPU ({name: value}, ReadGpu's)."""
+    return all(kept_value(getattr(gpu, name, None)) == value for name, value in read.items())
+
 
 GPUS = {"a100": Gpu("A100", (8, 0), 108), "h100": Gpu("H100", (9, 0), 132),  # H100: SXM
         "v100": Gpu("V100", (7, 0), 80), "t4": Gpu("T4", (7, 5), 40)}
@@ -127,7 +157,7 @@ def gpu_attention(module, query, key, value, attention_mask, dropout=0.0, scalin
         key, value = repeat_kv(key, groups), repeat_kv(value, groups)
     compute_log_sum_exp = torch.is_grad_enabled() and any(
         tensor.requires_grad for tensor in (query, key, value))
-    ampere = gpu.capability >= (8, 0)
+    ampere = gpu.flash_attention
     if attention_mask is None and query.dtype in (torch.float16, torch.bfloat16) and ampere:
         output = torch.ops.aten._scaled_dot_product_flash_attention(
             query, key, value, dropout, False, False, scale=scaling)[0]
@@ -161,12 +191,13 @@ def additive_mask(mask, query, key, padded=True):
 
 
 def register_gpu_attention(gpu):
-    """Register `gpu_attention` on GPUS[gpu], and with it sdpa's masks (without a registered mask
-    function transformers would pass it none); returns the name a model asks for it by."""
+    """Register `gpu_attention` on `gpu` (a Gpu, or the ReadGpu of a run), and with it sdpa's
+    masks (without a registered mask function transformers would pass it none); returns the name
+    a model asks for it by."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-    name = f"{GPU_ATTENTION}_{gpu}"
-    AttentionInterface.register(name, functools.partial(gpu_attention, gpu=GPUS[gpu]))
+    name = f"{GPU_ATTENTION}_{'sm80' if gpu.flash_attention else 'sm70'}"  # (what it reads)
+    AttentionInterface.register(name, functools.partial(gpu_attention, gpu=gpu))
     AttentionMaskInterface.register(name, sdpa_mask)
     return name
 

@@ -19,6 +19,7 @@ from estimate.fake_run import (
     world_size_from_environment,
 )
 from estimate.gpu_choices import DEFAULT_GPU, GPUS, HOST_CATEGORIES_WHEN_OFFLOADED, gpu_problem
+from estimate.kept_run import from_fake_run
 from estimate.records import read_estimate, save_records, size_text
 from estimate.snapshot import Recorder
 from estimate.snapshot import write as write_snapshot
@@ -53,7 +54,17 @@ def predict(script_path, argv, world_size=1, gpu=DEFAULT_GPU, any_batch_size=Fal
     `exact`: run every micro-batch asked, not two (fake_run.MICRO_BATCHES_RUN), and the whole
     model, not probes of a few of its blocks (blocks.py), to check. `unfused`: for a compiled
     run, run it again with nothing fused, for the bound above its prediction (compiled.py)."""
-    run, exact = None, exact or os.environ.get(EXACT_VARIABLE) == "1"
+    row = Row(Path(script_path), list(argv), world_size, gpu, any_batch_size, snapshot, exact,
+              unfused)
+    return record_of(run_for(row), gpu, snapshot)
+
+
+def run_for(row):
+    """The fake run a row asks for, as a KeptRun (kept_run.py): by blocks where the model's
+    blocks repeat, else whole; compiled, with its unfused bound where asked."""
+    script_path, argv, world_size, gpu = row.script, row.argv, row.world_size, row.gpu
+    exact = row.exact or os.environ.get(EXACT_VARIABLE) == "1"
+    run, snapshot, any_batch_size = None, row.snapshot, row.any_batch_size
     if wants_cuda_emulation(argv) and not (exact or snapshot or compiles(script_path, argv)):
         try:  # from runs of a few periods of the model's blocks (blocks.py), where they repeat
             run = run_by_blocks(script_path, argv, world_size, gpu, any_batch_size,
@@ -79,62 +90,67 @@ def predict(script_path, argv, world_size=1, gpu=DEFAULT_GPU, any_batch_size=Fal
             run, fused = run_on_fake_tensors(script_path, argv, world_size, gpu, any_batch_size,
                                              every_micro_batch=exact or bool(snapshot),
                                              fused=False), False
-    if run.emulate_cuda:
-        host = HOST_CATEGORIES_WHEN_OFFLOADED if run.offloaded else frozenset()
-        recorder = Recorder() if snapshot else None
-        peak = replay(run.training_events(), "cpu", emulate_cuda=True, host_categories=host,
-                      observer=recorder, workspace_bytes=GPUS[gpu].cublas_workspace_bytes)
-        allocated, reserved = peak.allocated_bytes, peak.reserved_bytes
-        breakdown, host_bytes = peak.breakdown_bytes, peak.host_bytes
-        created = replay(run.trace.events[run.creation_events], "cpu", emulate_cuda=True,
-                         workspaces=False)
-        init_allocated, init_reserved = created.allocated_bytes, created.reserved_bytes
-        if snapshot:
-            world = run.record["world_size"]
-            title = (f"{run.script}, {run.record['preset']} preset, batch {run.record['batch_size']}:"
-                     f" predicted on one {GPUS[gpu].name}" + (f" of {world}" if world > 1 else "")
-                     + f" (peak {size_text(allocated)} allocated, {size_text(reserved)} reserved)")
-            write_snapshot(snapshot, recorder, run.training_phases(), title)
-    else:  # the meter's own figures: what the real CPU run reports
-        allocated = reserved = run.meter_result["peak_memory_bytes"]
-        breakdown, host_bytes = run.meter_result["breakdown_bytes"], 0
-        init_allocated = init_reserved = run.creation.peak_bytes if run.creation else 0
-    if unfused and fused and run.compiled and not run.compiled_eagerly:  # the bound above
+    unfused_run = None
+    if row.unfused and fused and run.compiled and not run.compiled_eagerly:  # the bound above
         try:
-            unfused = peak_allocated(run_on_fake_tensors(
-                script_path, argv, world_size, gpu, any_batch_size,
-                every_micro_batch=exact or bool(snapshot), fused=False), gpu)
+            unfused_run = run_on_fake_tensors(script_path, argv, world_size, gpu, any_batch_size,
+                                              every_micro_batch=exact or bool(snapshot),
+                                              fused=False)
         except Exception:  # noqa: BLE001 - the prediction stands without its bound
             if os.environ.get("ESTIMATE_TRACEBACK"):
                 traceback.print_exc()
-            unfused = None
-    else:
-        unfused = None
-    return {"script": run.script, "preset": run.record["preset"], "model": run.record["model"],
-            "reshard_after_forward": run.record["reshard_after_forward"],
-            "device": "cuda" if run.emulate_cuda else "cpu",
-            "gpu": GPUS[gpu].name if run.emulate_cuda else None,
-            "world_size": run.record["world_size"], "batch_size": run.record["batch_size"],
-            "accum_steps": run.record["accum_steps"], "allocated_bytes": allocated,
+    return from_fake_run(run, unfused_run, fused)
+
+
+def replayed(kept, events, gpu, observer=None):
+    """The peak of `events` (a KeptRun's) replayed as the GPU `gpu` (a key of GPUS)."""
+    host = HOST_CATEGORIES_WHEN_OFFLOADED if kept.offloaded else frozenset()
+    return replay(events, "cpu", emulate_cuda=True, host_categories=host, observer=observer,
+                  workspace_bytes=GPUS[gpu].cublas_workspace_bytes)
+
+
+def record_of(kept, gpu=DEFAULT_GPU, snapshot=None):
+    """The estimate record of a KeptRun on the GPU `gpu` (a key of GPUS; ignored when the run
+    was not emulated): its trace replayed through the caching allocator model, in milliseconds.
+    `snapshot`: a file for the predicted memory snapshot (a whole run's KeptRun)."""
+    if kept.emulate_cuda:
+        recorder = Recorder() if snapshot else None
+        peak = replayed(kept, kept.events, gpu, recorder)
+        allocated, reserved = peak.allocated_bytes, peak.reserved_bytes
+        breakdown, host_bytes = peak.breakdown_bytes, peak.host_bytes
+        created = replay(kept.creation, "cpu", emulate_cuda=True, workspaces=False)
+        init_allocated, init_reserved = created.allocated_bytes, created.reserved_bytes
+        if snapshot:
+            record, world = kept.record, kept.record["world_size"]
+            title = (f"{kept.script}, {record['preset']} preset, batch {record['batch_size']}:"
+                     f" predicted on one {GPUS[gpu].name}" + (f" of {world}" if world > 1 else "")
+                     + f" (peak {size_text(allocated)} allocated, {size_text(reserved)} reserved)")
+            write_snapshot(snapshot, recorder, kept.phases, title)
+    else:  # the meter's own figures: what the real CPU run reports
+        allocated = reserved = kept.cpu_figures["peak_bytes"]
+        breakdown, host_bytes = kept.cpu_figures["breakdown_bytes"], 0
+        init_allocated = init_reserved = kept.cpu_figures["creation_peak_bytes"]
+    unfused = None
+    if kept.unfused_events is not None:
+        unfused = (replayed(kept, kept.unfused_events, gpu).allocated_bytes if kept.emulate_cuda
+                   else kept.cpu_figures["unfused_peak_bytes"])
+    record = kept.record
+    return {"script": kept.script, "preset": record["preset"], "model": record["model"],
+            "reshard_after_forward": record["reshard_after_forward"],
+            "device": "cuda" if kept.emulate_cuda else "cpu",
+            "gpu": GPUS[gpu].name if kept.emulate_cuda else None,
+            "world_size": record["world_size"], "batch_size": record["batch_size"],
+            "accum_steps": record["accum_steps"], "allocated_bytes": allocated,
             "reserved_bytes": reserved, "breakdown_bytes": breakdown, "host_bytes": host_bytes,
-            "parameter_count": run.meter_result["parameter_count"],
+            "parameter_count": kept.parameter_count,
             "model_state_bytes_per_parameter": model_state_bytes_per_parameter(
-                breakdown, run.meter_result["parameters_held"]),  # the device's bytes, as above
+                breakdown, kept.parameters_held),  # the device's bytes, as above
             "init_allocated_bytes": init_allocated, "init_reserved_bytes": init_reserved,
-            "compiled": run.compiled, "compiled_eagerly": run.compiled_eagerly,
-            "unfused_allocated_bytes": unfused if fused else allocated,  # (not fused: the same)
-            "fused": fused, "batch_bytes": run.batch_bytes,
+            "compiled": kept.compiled, "compiled_eagerly": kept.compiled_eagerly,
+            "unfused_allocated_bytes": unfused if kept.fused else allocated,  # (not fused: the same)
+            "fused": kept.fused, "batch_bytes": kept.batch_bytes,
             # [blocks of the model, [blocks of each probe]] where probes stood for it (blocks.py)
-            "blocks": run.blocks and [run.blocks[0], run.blocks[1]]}
-
-
-def peak_allocated(run, gpu):
-    """A run's predicted peak allocated bytes (as predict counts them, without its breakdown)."""
-    if not run.emulate_cuda:
-        return run.meter_result["peak_memory_bytes"]
-    host = HOST_CATEGORIES_WHEN_OFFLOADED if run.offloaded else frozenset()
-    return replay(run.training_events(), "cpu", emulate_cuda=True, host_categories=host,
-                  workspace_bytes=GPUS[gpu].cublas_workspace_bytes).allocated_bytes
+            "blocks": kept.blocks and [kept.blocks[0], kept.blocks[1]]}
 
 
 def compiles(script_path, argv):
@@ -180,23 +196,30 @@ def failure_message(error, script, argv=()):
 
 def attempt(row):
     """(record, None, seconds) or (None, message, seconds): the row's prediction or why it
-    failed, and the time it took (None: kept from an earlier estimate, cache.py); a failure
-    never escapes, so other rows still run."""
+    failed, and the time it took (None: its run was kept from an earlier estimate, cache.py); a
+    failure never escapes, so other rows still run."""
+    kept, problem, seconds = attempt_run(row)
+    return (record_of(kept, row.gpu, row.snapshot) if kept else None), problem, seconds
+
+
+def attempt_run(row):
+    """(KeptRun, None, seconds) or (None, message, seconds), as attempt: the row's fake run,
+    kept from an earlier one (cache.py) where one still holds, else made and kept."""
     start = time.perf_counter()
-    kept = cache.key(row, row.exact or os.environ.get(EXACT_VARIABLE) == "1")
-    record = kept and cache.load(kept)
-    if record:
-        return record, None, None
+    name = cache.key(row, row.exact or os.environ.get(EXACT_VARIABLE) == "1")
+    emulated = GPUS[row.gpu] if wants_cuda_emulation(row.argv) else None
+    kept = name and cache.load(name, emulated)
+    if kept:
+        return kept, None, None
     try:
-        record = predict(row.script, row.argv, row.world_size, row.gpu, row.any_batch_size,
-                         row.snapshot, row.exact, row.unfused)
+        kept = run_for(row)
     except Exception as error:  # noqa: BLE001 - reported as the row's outcome
         if os.environ.get("ESTIMATE_TRACEBACK"):
             traceback.print_exc()
         return None, failure_message(error, row.script, row.argv), time.perf_counter() - start
-    if kept:
-        cache.keep(kept, record)
-    return record, None, time.perf_counter() - start
+    if name:
+        cache.keep(name, kept)
+    return kept, None, time.perf_counter() - start
 
 
 def took_text(seconds):

@@ -1,52 +1,70 @@
-"""Estimates kept on disk (estimate/cache.py): a row asked again is answered from the record of
-its first estimate, and anything its bytes depend on makes it a new row."""
+"""Runs kept on disk (estimate/cache.py): a row asked again is answered from the trace of its
+first run, replayed for any GPU that reads as the first did; anything its bytes depend on (its
+flags, the script, the model's config, a module it loaded, a library it imported, the kernels'
+environment, the GPU's properties the run read) makes a new run."""
 import json
 import os
 import shutil
 import subprocess
 import sys
+import zlib
 
 import pytest
 
 from conftest import ROOT, script_path
 from estimate import cache
-from estimate.predict import Row, attempt
+from estimate.gpu_choices import GPUS
+from estimate.predict import Row, attempt, attempt_run, predict
 
 
 @pytest.fixture
 def kept(tmp_path, monkeypatch):
-    """Estimates kept in a folder of the test's own; predict() counted, and its record made up."""
+    """Runs kept in a folder of the test's own; every real run counted."""
     monkeypatch.setenv("MEMORY_TECHNIQUES_CACHE", str(tmp_path))
     monkeypatch.setenv(cache.VARIABLE, "1")
     calls = []
+    real = sys.modules["estimate.predict"].run_for
 
-    def predict(script, argv, *args):
-        calls.append(list(argv))
-        return {"script": script.stem, "allocated_bytes": len(calls), "reserved_bytes": 7,
-                "blocks": [16, [2, 3, 4]]}
-    monkeypatch.setattr(sys.modules["estimate.predict"], "predict", predict)
+    def run_for(row):
+        calls.append(list(row.argv))
+        return real(row)
+    monkeypatch.setattr(sys.modules["estimate.predict"], "run_for", run_for)
     return calls
 
 
-def test_a_row_asked_again_is_answered_from_its_first_estimate(kept):
-    row = Row(script_path("04"), ["--preset", "tiny", "--batch-size", "8"])
-    first = attempt(row)
-    again = attempt(Row(script_path("04"), ["--preset", "tiny", "--batch-size", "8"]))
+TINY = ["--preset", "tiny", "--batch-size", "8"]
+
+
+def test_a_row_asked_again_is_answered_from_its_first_run(kept):
+    first = attempt(Row(script_path("04"), TINY))
+    again = attempt(Row(script_path("04"), TINY))
     assert again == (first[0], None, None) and len(kept) == 1  # None: no time, it was kept
+
+
+def test_a_kept_run_is_replayed_for_another_gpu_that_reads_alike(kept):
+    """An A100 and an H100 both run flash attention: one run, two replays (the H100's cuBLAS
+    workspaces are larger), each what a run for that GPU gives; a V100 reads otherwise: a run."""
+    a100, _, _ = attempt(Row(script_path("04"), TINY, gpu="a100"))
+    h100, _, seconds = attempt(Row(script_path("04"), TINY, gpu="h100"))
+    assert seconds is None and len(kept) == 1
+    attempt(Row(script_path("04"), TINY, gpu="v100"))
+    assert len(kept) == 2
+    assert attempt(Row(script_path("04"), TINY, gpu="t4"))[2] is None  # as the V100 reads
+    assert h100 == predict(script_path("04"), TINY, gpu="h100")  # a run of its own (not kept)
+    assert h100["reserved_bytes"] > a100["reserved_bytes"] and h100["gpu"] == "H100"
 
 
 @pytest.mark.parametrize("other", [
     Row(script_path("04"), ["--preset", "tiny", "--batch-size", "16"]),
-    Row(script_path("05"), ["--preset", "tiny", "--batch-size", "8"]),
-    Row(script_path("04"), ["--preset", "tiny", "--batch-size", "8"], world_size=2),
-    Row(script_path("04"), ["--preset", "tiny", "--batch-size", "8"], gpu="h100"),
-    Row(script_path("04"), ["--preset", "tiny", "--batch-size", "8"], exact=True),
-    Row(script_path("04"), ["--preset", "tiny", "--batch-size", "8"], any_batch_size=True),
+    Row(script_path("05"), TINY),
+    Row(script_path("04"), TINY, world_size=2),
+    Row(script_path("04"), TINY, exact=True),
+    Row(script_path("04"), TINY, any_batch_size=True),
 ])
-def test_a_row_that_differs_in_anything_is_estimated(kept, other):
-    attempt(Row(script_path("04"), ["--preset", "tiny", "--batch-size", "8"]))
+def test_a_row_that_differs_in_anything_is_run(kept, other):
+    attempt(Row(script_path("04"), TINY))
     record, _, seconds = attempt(other)
-    assert seconds is not None and record["allocated_bytes"] == 2 and len(kept) == 2
+    assert seconds is not None and record and len(kept) == 2
 
 
 def test_a_changed_script_or_model_config_is_a_new_row(kept, tmp_path):
@@ -64,14 +82,50 @@ def test_a_changed_script_or_model_config_is_a_new_row(kept, tmp_path):
     assert len({first, second, cache.key(row, False)}) == 3
 
 
+def kept_changed(row, change):
+    """Rewrite the kept variants of `row` with `change(variant)` applied to each."""
+    path = cache.folder() / f"{cache.key(row, False)}.kept"
+    variants = cache.read(cache.key(row, False))
+    for variant in variants:
+        change(variant)
+    path.write_bytes(zlib.compress(json.dumps({"variants": variants}).encode()))
+
+
+def test_the_modules_and_libraries_a_run_loaded_are_found_from_it_and_checked(kept):
+    """What the run loaded (the repository's files, the installed distributions) is kept beside
+    it; a file or version changed since reads as nothing kept, and the new run takes its place."""
+    row = Row(script_path("04"), TINY)
+    attempt(row)
+    [variant] = cache.read(cache.key(row, False))
+    for found in ("04_grad_accum.py", "common/model.py", "common/memory.py", "steps.py",
+                  "estimate/fake_run.py", "estimate/allocation_trace.py"):
+        assert found in variant["sources"]
+    assert {"torch", "transformers"} <= set(variant["distributions"])
+    kept_changed(row, lambda variant: variant["sources"].update({"common/model.py": "0" * 64}))
+    assert attempt(row)[2] is not None and len(kept) == 2  # a module it loaded changed since
+    assert attempt(row)[2] is None and len(kept) == 2  # the new run was kept in its place
+    kept_changed(row, lambda variant: variant["distributions"].update({"transformers": "0.0"}))
+    assert attempt(row)[2] is not None and len(kept) == 3  # a library it imported changed since
+    assert len(cache.read(cache.key(row, False))) == 1  # the run that no longer held is gone
+
+
+def test_what_the_gpu_emulation_reads_is_what_it_keeps():
+    from estimate.gpu_choices import ReadGpu, reads_match
+    gpu = ReadGpu(GPUS["h100"])
+    assert gpu.flash_attention and gpu.read == {"flash_attention": True}
+    assert reads_match(gpu.read, GPUS["a100"]) and not reads_match(gpu.read, GPUS["v100"])
+    gpu.multiprocessors  # noqa: B018 - bitsandbytes' 4-bit rule reads it
+    assert not reads_match(gpu.read, GPUS["a100"])
+
+
 def test_what_is_not_kept(kept, tmp_path, monkeypatch):
     """A failure, a memory snapshot (a file the run writes) and a Hub model not on this machine
-    are estimated each time; ESTIMATE_CACHE=0 keeps nothing."""
+    are run each time; ESTIMATE_CACHE=0 keeps nothing."""
     assert cache.key(Row(script_path("04"), [], snapshot=str(tmp_path / "s.pickle")), False) is None
     assert cache.key(Row(script_path("04"), ["--model", "no-such-org/no-such-model"]), False) is None
-    monkeypatch.setattr(sys.modules["estimate.predict"], "predict", lambda *args: 1 / 0)
+    monkeypatch.setattr(sys.modules["estimate.predict"], "run_for", lambda *args: 1 / 0)
     row = Row(script_path("04"), ["--preset", "tiny"])
-    assert attempt(row)[0] is None and not list(cache.folder().glob("*.json"))
+    assert attempt(row)[0] is None and not list(cache.folder().glob("*.kept"))
     for off in ("0", "off", "False"):
         monkeypatch.setenv(cache.VARIABLE, off)
         assert cache.key(row, False) is None
@@ -81,15 +135,30 @@ def test_what_is_not_kept(kept, tmp_path, monkeypatch):
     assert cache.key(Row(script_path("04"), ["--model", str(tmp_path / "unreadable")]), False) is None
 
 
-def test_the_kernels_asked_of_pytorch_are_part_of_the_key(kept, monkeypatch):
+@pytest.mark.parametrize("variable", ["ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS",
+                                      "TORCHINDUCTOR_MAX_AUTOTUNE", "PYTORCH_CUDA_ALLOC_CONF"])
+def test_the_kernels_and_compiler_asked_of_pytorch_are_part_of_the_key(kept, monkeypatch, variable):
     row = Row(script_path("04"), ["--preset", "tiny", "--device", "cpu"])
-    monkeypatch.delenv("ATEN_CPU_CAPABILITY", raising=False)
+    monkeypatch.delenv(variable, raising=False)
     before = cache.key(row, False)
-    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "default")
+    monkeypatch.setenv(variable, "default")
     assert cache.key(row, False) != before
 
 
-def test_the_table_asked_again_answers_from_kept_estimates_with_the_same_table(tmp_path):
+def test_the_folder_is_held_under_its_size_the_runs_read_longest_ago_going_first(kept, monkeypatch):
+    rows = [Row(script_path("04"), ["--preset", "tiny", "--batch-size", str(size)])
+            for size in (8, 16, 24)]
+    for row in rows:
+        attempt_run(row)
+    files = {row.argv[-1]: cache.folder() / f"{cache.key(row, False)}.kept" for row in rows}
+    for age, size in enumerate(("16", "24", "8")):  # 8 read last: it stays
+        os.utime(files[size], (1000 + age, 1000 + age))
+    one = max(path.stat().st_size for path in files.values())
+    cache.evict(limit=int(2.5 * one))
+    assert [size for size, path in files.items() if path.exists()] == ["8"]
+
+
+def test_the_table_asked_again_answers_from_kept_runs_with_the_same_table(tmp_path):
     environment = {**os.environ, "MEMORY_TECHNIQUES_CACHE": str(tmp_path),
                    cache.VARIABLE: "1"}
     command = [sys.executable, "-m", "estimate", "--preset", "tiny", "--steps", "01",
@@ -104,18 +173,7 @@ def test_the_table_asked_again_answers_from_kept_estimates_with_the_same_table(t
     assert table[0] == table[1] and len(table[0]) == len(rows) + 2  # a header, a rule, the rows
 
 
-def test_what_the_key_leaves_out_makes_no_records_bytes():
-    """The modules that only ask for estimates and table them are left out of the code's digest
-    (a change to the search keeps the estimates): predict() must not import them."""
-    program = "import json, sys, estimate.predict; print(json.dumps(sorted(sys.modules)))"
-    done = subprocess.run([sys.executable, "-c", program], cwd=ROOT, capture_output=True, text=True,
-                          timeout=120)
-    loaded = set(json.loads(done.stdout))
-    left_out = {path.removesuffix(".py").replace("/", ".") for path in cache.ASKERS}
-    assert left_out - {"estimate.cache"} and not (left_out - {"estimate.cache"}) & loaded
-
-
-def test_a_package_installed_in_editable_mode_enters_the_key_with_its_files(tmp_path, monkeypatch):
+def test_a_package_installed_in_editable_mode_is_checked_with_its_files(tmp_path, monkeypatch):
     """pip install -e: an edit in place keeps the version, so the files' sizes and times count."""
     source = tmp_path / "transformers-checkout"
     (source / "src").mkdir(parents=True)

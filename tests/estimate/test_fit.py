@@ -6,7 +6,7 @@ import sys
 import pytest
 
 from conftest import ROOT, script_path
-from estimate.fit import Fit, accumulation_for, parse_size, search
+from estimate.fit import Fit, accumulation_for, parse_size, search, search_by_estimates
 from estimate.predict import Row, attempt, predict
 
 SMALL_BERT = dict(model_type="bert", vocab_size=30522, hidden_size=64, num_hidden_layers=2,
@@ -109,7 +109,7 @@ def test_a_search_for_an_asked_batch_stops_at_it(cap, fits_up_to, largest, estim
         micro = int(row.argv[row.argv.index("--batch-size") + 1]) // 2  # two micro-batches
         return {"allocated_bytes": 100 + 10 * micro, "reserved_bytes": 100 + 10 * micro}, None, 0.0
     monkeypatch.setattr("estimate.fit.attempt", line)
-    found = search(script_path("04"), [], 1, 100 + 10 * fits_up_to, True, cap=cap)
+    found = search_by_estimates(script_path("04"), [], 1, 100 + 10 * fits_up_to, True, cap=cap)
     assert (found.largest, found.capped) == (largest, largest == cap)
     assert max(found.tried) <= cap and found.problem is None
     if estimates:
@@ -148,7 +148,8 @@ def test_the_search_finds_the_largest_that_fits_from_any_first_guess(capacity, h
         allocated, reserved = two_phase(int(row.argv[row.argv.index("--batch-size") + 1]) // 2)
         return {"allocated_bytes": allocated, "reserved_bytes": reserved}, None, 0.0
     monkeypatch.setattr("estimate.fit.attempt", step)
-    found = search(script_path("04"), [], 1, capacity, True, {8: two_phase(8)}, per_sample=hint)
+    found = search_by_estimates(script_path("04"), [], 1, capacity, True, {8: two_phase(8)},
+                                per_sample=hint)
     grid = [size for size in range(1, 5000) if size < 32 or size % 8 == 0]
     fitting = [size for size in grid if two_phase(size)[1] <= capacity]
     assert found.problem is None
@@ -167,6 +168,6 @@ def test_a_good_first_guess_saves_an_estimate(hint, most, monkeypatch):
     monkeypatch.setattr("estimate.fit.attempt", line)
     capacity = 1_000_000 + 700_000 * 20 + 1
     known = {8: (1_000_000 + 700_000 * 8,) * 2}
-    found = search(script_path("04"), [], 1, capacity, True, known, per_sample=hint)
+    found = search_by_estimates(script_path("04"), [], 1, capacity, True, known, per_sample=hint)
     assert found.largest == 20 and len(found.tried) == most
 

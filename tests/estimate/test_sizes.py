@@ -1,0 +1,117 @@
+"""Traces for any micro-batch size (estimate/sizes.py) and the --gpu-memory search built on them
+(estimate/fit.py): a trace written from runs at a few sizes is the run at that size, event for
+event, on every architecture; a choice made by the size is caught; the search's answer is the
+one a search of estimates gives."""
+import re
+
+import pytest
+
+from architecture_matrix import ARCHITECTURES, model_flags, write_model
+from conftest import script_path
+from estimate.fit import micro_row, next_size, search
+from estimate.predict import predict, record_of, run_for
+from estimate.sizes import Family, NotBySizes, canonical
+
+COMPARED = ("allocated_bytes", "reserved_bytes", "breakdown_bytes", "host_bytes",
+            "init_allocated_bytes", "init_reserved_bytes", "parameter_count",
+            "model_state_bytes_per_parameter")
+
+
+def runs(step, flags, sizes, world_size=1, accumulates=True):
+    """{size: KeptRun} of `step` at micro-batches of each of `sizes` (as the search runs them)."""
+    return {size: run_for(micro_row(script_path(step), flags, world_size, size, accumulates))
+            for size in sizes}
+
+
+def assert_written_is_run(step, flags, world_size=1, accumulates=True):
+    """A line through micro-batches of 2 and 6, checked on 3, writes 4 and 5 as they run."""
+    made = runs(step, flags, (2, 3, 4, 5, 6), world_size, accumulates)
+    family = Family({size: made[size] for size in (2, 3, 6)})
+    for size in (4, 5):
+        written = family.written(size)
+        assert written.events == canonical(made[size].events)  # (frees of a run in one order)
+        assert ({key: record_of(written)[key] for key in COMPARED}
+                == {key: record_of(made[size])[key] for key in COMPARED})
+
+
+@pytest.mark.parametrize("name", [name for name in ARCHITECTURES if name != "ResNet"])
+def test_a_size_between_runs_is_written_as_it_runs_on_every_architecture(name, tmp_path):
+    folder = write_model(tmp_path / re.sub(r"\W", "", name.lower()), name)
+    assert_written_is_run("04", [*model_flags(folder, name), "--device", "cuda"])
+
+
+@pytest.mark.parametrize("step, world_size, accumulates", [
+    ("03", 1, False),   # every sample in one pass
+    ("05c", 1, True),   # recomputation in backward
+    ("05i", 1, True),   # gradients to the host as backward makes them
+    ("09", 2, True),    # sharded over 2 processes, checkpointed
+])
+def test_a_size_between_runs_is_written_as_it_runs_for_every_kind_of_step(step, world_size,
+                                                                         accumulates):
+    assert_written_is_run(step, ["--device", "cuda"], world_size, accumulates)
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    return write_model(tmp_path_factory.mktemp("llama"), "Llama")
+
+
+def causal(llama, tokens):
+    return ["--model", str(llama), "--task", "causal-lm", "--seq-len", str(tokens),
+            "--device", "cuda"]
+
+
+def test_the_fused_loss_chooses_by_size_and_is_not_written(llama):
+    """05h cuts a micro-batch's tokens into 8 pieces of ceil(tokens / 8): with texts of 13
+    tokens, 8 samples make pieces of 13 tokens, 24 samples of 39, 10 samples of 17, not the 16.25
+    of a line. The run says so as it cuts, and the family refuses to be written; drawn
+    regardless, the line (whole bytes all the same) would miss."""
+    made = runs("05h", causal(llama, 13), (8, 10, 24))
+    assert all("fused loss" in " ".join(kept.size_choices) for kept in made.values())
+    with pytest.raises(NotBySizes, match="fused loss"):
+        Family({8: made[8], 24: made[24]})
+    for kept in made.values():  # had the choice gone unsaid:
+        kept.size_choices = []
+    assert Family({8: made[8], 24: made[24]}).written(10).events != canonical(made[10].events)
+
+
+def test_the_4bit_matmul_chooses_by_size_and_is_not_written():
+    made = runs("07b", ["--device", "cuda"], (2, 3))
+    assert all("4-bit" in " ".join(kept.size_choices) for kept in made.values())
+    with pytest.raises(NotBySizes, match="4-bit"):
+        Family(made)
+
+
+@pytest.mark.parametrize("step, accumulates, world_size", [("03", False, 1), ("04", True, 1),
+                                                           ("05c", True, 1), ("08", True, 2)])
+def test_the_search_by_sizes_finds_the_largest_that_fits_each_size_estimated(step, accumulates,
+                                                                           world_size, tmp_path):
+    """The answer fits and the next size does not, each an estimate of its own, equal to the
+    whole run's (every block, every micro-batch) to the byte."""
+    folder = write_model(tmp_path / "bert", "BERT")
+    flags = [*model_flags(folder, "BERT"), "--device", "cuda"]
+    at = {size: record_of(kept)["reserved_bytes"]
+          for size, kept in runs(step, flags, (2, 200), world_size, accumulates).items()}
+    capacity = (at[2] + at[200]) // 2
+    found = search(script_path(step), flags, world_size, capacity, accumulates)
+    assert found.problem is None and found.not_by_sizes is None and found.written
+    assert 2 < found.largest < 200
+    assert found.tried[found.largest][1] <= capacity < found.tried[next_size(found.largest)][1]
+    for size in (found.largest, next_size(found.largest)):
+        row = micro_row(script_path(step), flags, world_size, size, accumulates)
+        exact = predict(row.script, row.argv, world_size=world_size, any_batch_size=True,
+                        exact=True)
+        assert (exact["allocated_bytes"], exact["reserved_bytes"]) == found.tried[size]
+
+
+def test_a_search_of_a_size_dependent_run_estimates_every_size(llama):
+    flags = causal(llama, 13)
+    at = record_of(run_for(micro_row(script_path("05h"), flags, 1, 8, True)))["reserved_bytes"]
+    found = search(script_path("05h"), flags, 1, at, True)
+    assert found.not_by_sizes and "fused loss" in found.not_by_sizes and not found.written
+    assert found.largest >= 8 and found.tried[found.largest][1] <= at
+
+
+def test_the_search_stops_when_one_sample_does_not_fit():
+    found = search(script_path("03"), ["--device", "cuda"], 1, 2**20, False)
+    assert found.largest is None and found.problem is None and 1 in found.tried
