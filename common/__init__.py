@@ -5,3 +5,6 @@ two larger tools are packages of their own beside it: `estimate` (predicts GPU m
 tensors; a script imports it only under --estimate) and `tour` (runs every step and draws the
 report).
 """
+from common.library_warnings import silence
+
+silence()  # before a script imports the libraries (common/library_warnings.py)

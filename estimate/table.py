@@ -1,17 +1,19 @@
 """`python -m estimate`: every numbered script's prediction in one table."""
 import argparse
+import io
 import os
 import resource
 import sys
 import time
 from concurrent.futures import as_completed
+from contextlib import contextmanager, redirect_stdout
 
 import estimate
 from common.cli import add_shared_flags, parse_args, positive_int, unwritable
 from common.presets import PRESETS
 from estimate.fit import fit_table, parse_size, search_all, without_batch_flags
 from estimate.gpu_choices import DEFAULT_GPU, GPUS, gpu_problem
-from estimate.predict import EXACT_VARIABLE, Row, attempt, took_text
+from estimate.predict import EXACT_VARIABLE, Row, attempt, compiles, took_text
 from estimate.published import STUDY_RESERVED_GB
 from estimate.records import (
     GB,
@@ -82,10 +84,12 @@ def run_rows(rows, jobs):
 
 
 def expected_work(row):
-    """Rough cost of a row, to start the longest first: forward and backward passes run."""
+    """Rough cost of a row, to start the longest first: forward and backward passes run; a
+    compiled run (05k) first of all (its graphs are made, then run an operation at a time)."""
     accum = row.argv[row.argv.index("--accum-steps") + 1] if "--accum-steps" in row.argv else None
     passes = int(accum) if accum else step_of(row.script).accum_steps
-    return passes * (2 if step_of(row.script).sharded else 1)  # sharding doubles the operators
+    compiled = 100 if compiles(row.script, row.argv) else 1
+    return compiled * passes * (2 if step_of(row.script).sharded else 1)  # sharding doubles the operators
 
 
 def report_progress(done, row, outcome, total):
@@ -141,6 +145,9 @@ def parse_table_args(argv):
     parser.add_argument("--jobs", type=positive_int, default=min(2, os.cpu_count() or 1),
                         help="estimates run at once, one process each (default: 2)")
     parser.add_argument("--results-dir", default="results", help="where estimate.json goes")
+    parser.add_argument("--quiet", action="store_true",
+                        help="print only the answer: the stack and its command under --gpu-memory, "
+                             "else the table")
     parser.add_argument("--exact", action="store_true",
                         help="run every micro-batch of each row, not two (the same bytes, slower: "
                              "a check)")
@@ -210,9 +217,13 @@ def table_main(argv):
     except UnknownStep as problem:
         raise SystemExit(f"error: --steps: {problem}")
     flags = model_flags(args)
+    with quiet_while_working(args.quiet):  # the work's progress lines, unless --quiet
+        if args.stack_only:
+            chain, answer = the_stack(args, flags)
     if args.stack_only:
-        print(the_stack(args, flags))
-        print(f"wall time {time.perf_counter() - start:.1f} s")
+        print(answer if args.quiet else f"{answer}\n\n{chain}")
+        if not args.quiet:
+            print(f"wall time {time.perf_counter() - start:.1f} s")
         return 0
     notes = [f"{step.name} trains --task {step.task} only: add --task {step.task} to estimate it"
              for step in select(args.steps) if args.steps and step not in steps]
@@ -225,19 +236,31 @@ def table_main(argv):
     if fewer:
         notes.append(f"the distributed steps run on {fewer[0]} of the {args.world_size} GPUs "
                      "(--world-size): the batch does not split into equal micro-batches over more")
-    outcomes = run_rows(rows, args.jobs)
+    with quiet_while_working(args.quiet):
+        outcomes = run_rows(rows, args.jobs)
+        if args.gpu_memory is not None:
+            fits = search_all(rows, outcomes, args.capacity, args.jobs,
+                              lambda script: step_of(script).accum_steps > 1)
+            chain, answer = the_stack(args, flags)
     records = [record for record, _, _ in outcomes if record]
+    if args.gpu_memory is not None:  # the answer first, then what it rests on
+        print(answer)
+        if args.quiet:
+            return 1 if any(problem for _, problem, _ in outcomes) else 0
+        print("\n" + fit_table(fits, args.gpu_memory))
+        notes += [f"{fit.script}: {fit.problem or fit.not_searched}" for fit in fits
+                  if fit.problem or fit.not_searched]
+    elif args.quiet:
+        print(table(rows, outcomes, not_estimated))
+        return 1 if any(problem for _, problem, _ in outcomes) else 0
     print("\n" + table(rows, outcomes, not_estimated))
-    print(f"\n{PER_PARAMETER_NOTE} On a GPU: its own bytes, without what 08-09 offload.\n")
+    print(f"\n{PER_PARAMETER_NOTE} On a GPU: its own bytes, without what 08-09 offload.")
     if args.gpu_memory is not None:
-        fits = search_all(rows, outcomes, args.capacity, args.jobs,
-                          lambda script: step_of(script).accum_steps > 1)
-        print(fit_table(fits, args.gpu_memory) + "\n")
-        notes += [f"{fit.script}: {fit.problem}" for fit in fits if fit.problem]
-        print(the_stack(args, flags) + "\n")
+        print("\n" + chain)
     for row, (_, problem, _) in zip(rows, outcomes):
         if problem:
             notes.append(f"{row.label}: {problem}")
+    print()
     for note in notes:
         print(f"note: {note}")
     if records:
@@ -249,9 +272,20 @@ def table_main(argv):
     return 1 if any(problem for _, problem, _ in outcomes) else 0
 
 
+@contextmanager
+def quiet_while_working(quiet):
+    """With --quiet, what the work prints while inside (a row's line, the search's bar, the
+    stack's prefixes) goes nowhere, in this process and in the workers it starts."""
+    if not quiet:
+        yield
+        return
+    with redirect_stdout(io.StringIO()):
+        yield
+
 
 def the_stack(args, flags):
-    """The stack (estimate/stack.py) for the asked batch in --gpu-memory, as printed."""
+    """The stack (estimate/stack.py) for the asked batch in --gpu-memory, as printed: (the chain
+    and its costs, the answer and its command)."""
     import torch
 
     from common.model import model_class, model_config
@@ -271,6 +305,5 @@ def the_stack(args, flags):
                                         args.capacity, args.task, args.gpu, args.jobs,
                                         seconds=stack.chain_seconds(parameters, tokens, shape),
                                         parameters=parameters)
-    return "\n".join([stack.chain_text(args.task, parameters, tokens, shape, args.stack_world_size),
-                      stack.stack_text(answer, shown, batch_size, args.capacity, args.gpu_memory,
-                                       adapters)])
+    return (stack.chain_text(args.task, parameters, tokens, shape, args.stack_world_size),
+            stack.stack_text(answer, shown, batch_size, args.capacity, args.gpu_memory, adapters))
