@@ -93,11 +93,13 @@ def train(args, device):
             progress.step(epoch, loss)
             if progress.steps == total_steps:
                 break
-        score = evaluate(model, data.val, device, DTYPE, chunked_loss)  # bf16-true, chunked loss
+        score = evaluate(model, data.val, device, DTYPE, chunked_loss,  # bf16-true, chunked loss
+                         pieces=args.accum_steps)  # gradient accumulation
         progress.epoch(epoch, args.epochs, score)  # chunked loss
         if progress.steps == total_steps:
             break
-    test_score = evaluate(model, data.test, device, DTYPE, chunked_loss)  # bf16-true, chunked loss
+    test_score = evaluate(model, data.test, device, DTYPE, chunked_loss,  # bf16-true, chunked loss
+                          pieces=args.accum_steps)  # gradient accumulation
     return report(args, __file__, creation, meter, progress, test_score)
 
 

@@ -121,11 +121,13 @@ def train(args, device):
             progress.step(epoch, loss)
             if progress.steps == total_steps:
                 break
-        score = evaluate(model, data.val, device, DTYPE, fused_loss)  # bf16-true, fused loss
+        score = evaluate(model, data.val, device, DTYPE, fused_loss,  # bf16-true, fused loss
+                         pieces=args.accum_steps)  # gradient accumulation
         progress.epoch(epoch, args.epochs, score)  # chunked loss
         if progress.steps == total_steps:
             break
-    test_score = evaluate(model, data.test, device, DTYPE, fused_loss)  # bf16-true, fused loss
+    test_score = evaluate(model, data.test, device, DTYPE, fused_loss,  # bf16-true, fused loss
+                          pieces=args.accum_steps)  # gradient accumulation
     return report(args, __file__, creation, meter, progress, test_score)
 
 

@@ -72,10 +72,12 @@ def train(args, device):
             progress.step(epoch, loss)
             if progress.steps == total_steps:
                 break
-        progress.epoch(epoch, args.epochs, evaluate(model, data.val, device, DTYPE))  # bf16-true
+        progress.epoch(epoch, args.epochs, evaluate(model, data.val, device, DTYPE,  # bf16-true
+                                                    pieces=args.accum_steps))  # gradient accumulation
         if progress.steps == total_steps:
             break
-    test_score = evaluate(model, data.test, device, DTYPE)  # bf16-true: bfloat16 inputs
+    test_score = evaluate(model, data.test, device, DTYPE,  # bf16-true: bfloat16 inputs
+                          pieces=args.accum_steps)  # gradient accumulation
     return report(args, __file__, creation, meter, progress, test_score)
 
 

@@ -51,17 +51,19 @@ class TokenLoss(float):
 
 
 @torch.no_grad()
-def evaluate(model, loader, device, dtype=None, loss=None):
+def evaluate(model, loader, device, dtype=None, loss=None, pieces=1):
     """The model's score on the loader: an Accuracy, or a TokenLoss when the labels are tokens
     (--task causal-lm). `dtype` casts the floating inputs (images) to the model's dtype. `loss`
     (model, inputs, labels) -> the mean next-token loss replaces the model's own (05g's chunked
-    loss, which never holds a whole text's logits)."""
+    loss, which never holds a whole text's logits). `pieces`: each batch is evaluated in that
+    many parts, as training splits it into micro-batches (--accum-steps), so that no forward
+    holds more samples than a training micro-batch."""
     was_training = model.training
     model.eval()
     try:
         if is_causal_lm(model):
-            return token_loss(model, loader, device, dtype, loss or models_own_loss)
-        return accuracy(model, loader, device, dtype)
+            return token_loss(model, loader, device, dtype, loss or models_own_loss, pieces)
+        return accuracy(model, loader, device, dtype, pieces)
     finally:
         model.train(was_training)
 
@@ -74,7 +76,7 @@ def is_causal_lm(model):
 
 
 def largest_shares(loader):
-    """For each batch of `loader`, the texts of the largest process's share of it: the
+    """For each batch of `loader`, the samples of the largest process's share of it: the
     global batch's size divided by the processes, rounded up (None for a loader of another
     kind: its own share's size)."""
     sampler = getattr(loader, "sampler", None)  # none for a plain list of batches
@@ -83,10 +85,27 @@ def largest_shares(loader):
     return (math.ceil(len(batch) / sampler.world_size) for batch in sampler.batch_sampler)
 
 
-def accuracy(model, loader, device, dtype):
+def in_pieces(loader, pieces):
+    """(inputs, labels, counted) for each piece of each batch: a batch's share split into
+    `pieces` parts of equal size (the last may be smaller). Processes that shard the model
+    (07-09) each run as many forwards, as many as the largest share of the batch makes (each
+    forward gathers the weights with the others): a process whose share makes fewer runs its
+    last piece again, not `counted`."""
+    for (inputs, labels), largest in zip(loader, largest_shares(loader)):
+        samples = largest or len(labels)
+        size = max(1, math.ceil(samples / max(1, pieces)))
+        parts = split_batch(inputs, labels, size)
+        for index in range(math.ceil(samples / size)):
+            part_inputs, part_labels = parts[min(index, len(parts) - 1)]
+            yield part_inputs, part_labels, index < len(parts)
+
+
+def accuracy(model, loader, device, dtype, pieces=1):
     counts = torch.zeros(2, dtype=torch.int64, device=device)  # correct predictions, samples
-    for inputs, labels in loader:
+    for inputs, labels, counted in in_pieces(loader, pieces):
         logits = model(**to_device(inputs, device, dtype)).logits
+        if not counted:
+            continue  # the forward every process runs; this one has no sample left
         predicted = logits.argmax(dim=-1)  # the highest logit (the first of equal ones)
         counts[0] += (predicted == labels.to(device, non_blocking=True)).sum()
         counts[1] += len(labels)
@@ -100,27 +119,23 @@ def models_own_loss(model, inputs, labels):
     return model(**inputs, labels=labels).loss
 
 
-def token_loss(model, loader, device, dtype, loss_of):
-    """The mean next-token loss, one text at a time: a text's logits and their float32 copies
-    (10 bytes x tokens x vocabulary) are evaluation's largest tensors, and a whole batch's could
-    exceed what training, in micro-batches, ever holds. Processes that shard the model (07-09)
-    each run as many forwards, one per text of the largest share of the batch (each forward
-    gathers the weights with the others): a process whose share is one text short runs its
-    last text again, which counts for nothing. Batches are pinned on a GPU: copied without a
-    wait, so the loop never waits for the GPU."""
+def token_loss(model, loader, device, dtype, loss_of, pieces=1):
+    """The mean next-token loss, a piece of each batch at a time (a training micro-batch's
+    texts: `pieces`): a piece's logits and their float32 copies (10 bytes x tokens x vocabulary)
+    are evaluation's largest tensors, no larger than a training micro-batch's. Each piece's mean
+    loss times its predicted tokens is its summed loss; the sums and the tokens add up over the
+    pieces and the processes. Batches are pinned on a GPU: copied without a wait, so the loop
+    never waits for the GPU."""
     total = torch.zeros(2, dtype=torch.float64, device=device)  # summed loss, predicted tokens
-    for (inputs, labels), largest in zip(loader, largest_shares(loader)):
-        texts = split_batch(inputs, labels, 1)
-        for index in range(largest or len(texts)):
-            one_input, one_labels = texts[min(index, len(texts) - 1)]
-            one_labels = one_labels.to(device, non_blocking=True)
-            tokens = (one_labels[:, 1:] != IGNORED).sum()  # each position predicts the next
-            loss = loss_of(model, to_device(one_input, device, dtype), one_labels)  # the mean
-            if index >= len(texts):
-                continue  # the forward every process runs; this one has no text left
-            # a text too short to predict anything has a NaN mean: it adds nothing (no sync)
-            total += torch.stack([torch.where(tokens > 0, loss.double() * tokens, 0.0),
-                                  tokens.double()])
+    for inputs, labels, counted in in_pieces(loader, pieces):
+        labels = labels.to(device, non_blocking=True)
+        tokens = (labels[:, 1:] != IGNORED).sum()  # each position predicts the next
+        loss = loss_of(model, to_device(inputs, device, dtype), labels)  # the piece's mean
+        if not counted:
+            continue  # the forward every process runs; this one has no text left
+        # a piece too short to predict anything has a NaN mean: it adds nothing (no sync)
+        total += torch.stack([torch.where(tokens > 0, loss.double() * tokens, 0.0),
+                              tokens.double()])
     if dist.is_available() and dist.is_initialized():
         dist.all_reduce(total)  # every process's sums
     summed, tokens = total.tolist()

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from architecture_matrix import SEQ_LEN, VOCABULARY, model_flags, write_model
+from common.data import split_batch
 from conftest import PROBED_TEST_TIMEOUT, QUICK, load_script, run_script
 from estimate.predict import predict
 from rounding import additions, assert_same_sum
@@ -135,9 +136,14 @@ def five_texts_and_a_decoder():
     return data, create_model(preset)
 
 
-def test_evaluation_takes_a_loss_in_place_of_the_models_own_one_text_at_a_time():
-    """05g evaluates with its chunked loss: evaluate() calls the loss it is given, once a text,
-    and its mean is the model's own loss's when that is the loss given."""
+@pytest.mark.numerical
+@pytest.mark.parametrize("pieces, forwards", [(1, [4, 1]), (2, [2, 2, 1]), (4, [1, 1, 1, 1, 1])])
+def test_evaluation_runs_a_piece_of_a_batch_at_a_time_with_the_same_tokens_and_loss(pieces,
+                                                                                   forwards):
+    """evaluate() runs each batch in as many pieces as training's micro-batches (`pieces`), with
+    the loss it is given (05g's chunked loss) in place of the model's own: it counts the same
+    predicted tokens and gives the same mean loss, within the rounding of its sums, as one text
+    at a time."""
     from common.data import make_loader
     from common.evaluate import evaluate, models_own_loss
     data, model = five_texts_and_a_decoder()
@@ -148,14 +154,25 @@ def test_evaluation_takes_a_loss_in_place_of_the_models_own_one_text_at_a_time()
         calls.append(len(labels))
         return models_own_loss(model, inputs, labels)
 
-    assert evaluate(model, loader, torch.device("cpu"), loss=counted) == evaluate(
-        model, loader, torch.device("cpu"))
-    assert calls == [1] * 5
+    in_pieces = evaluate(model, loader, torch.device("cpu"), loss=counted, pieces=pieces)
+    assert calls == forwards
+    one_by_one = evaluate(model, [(inputs, labels) for batch in loader for inputs, labels in
+                                  split_batch(*batch, 1)], torch.device("cpu"))
+    assert in_pieces.tokens == one_by_one.tokens == int((data[:]["label"][:, 1:] != -100).sum())
+    with torch.no_grad():  # each predicted token's loss, for the size of the sums
+        ids, labels = data[:]["input_ids"], data[:]["label"]
+        logits = model(input_ids=ids, attention_mask=data[:]["attention_mask"]).logits[:, :-1]
+        token_losses = torch.nn.functional.cross_entropy(
+            logits.flatten(0, 1), labels[:, 1:].flatten(), ignore_index=-100, reduction="none")
+    assert_same_sum(torch.tensor(in_pieces), torch.tensor(one_by_one),
+                    token_losses.abs().sum() / in_pieces.tokens,
+                    additions(model.config, in_pieces.tokens), what="evaluation's loss")
 
 
 def test_a_process_with_a_smaller_share_runs_as_many_forwards_and_counts_its_texts_alone():
-    """Two processes sharding the model (07-09) evaluate the last batch of 5 texts as 3 and 2:
-    the second runs a third forward (FSDP gathers with the first), which counts for nothing."""
+    """Two processes sharding the model (07-09) evaluate the last batch of 5 texts as 3 and 2,
+    in pieces of one text (3 micro-batches): the second runs a third forward (FSDP gathers with
+    the first), which counts for nothing."""
     from common.data import IGNORED, make_loader
     from common.evaluate import evaluate, models_own_loss
     data, model = five_texts_and_a_decoder()
@@ -163,7 +180,7 @@ def test_a_process_with_a_smaller_share_runs_as_many_forwards_and_counts_its_tex
     for rank in (0, 1):
         loader = make_loader(data, 5, shuffle=False, rank=rank, world_size=2)
         calls = []
-        score = evaluate(model, loader, torch.device("cpu"),
+        score = evaluate(model, loader, torch.device("cpu"), pieces=3,
                          loss=lambda *args: calls.append(1) or models_own_loss(*args))
         forwards.append(len(calls))
         labels = data[rank::2]["label"]
