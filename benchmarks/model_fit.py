@@ -1,22 +1,29 @@
-"""Benchmark: "will it fit?" in seconds. One estimate, the table with the --gpu-memory search, and
-the stack search, each timed as a user runs it, beside the same work with --exact (every block
-and every micro-batch run, as before the estimate by blocks), which must give the same bytes.
+"""Benchmark: "will it fit?" as a user asks it, timed, beside the same questions asked of an
+earlier commit on the same machine, back to back.
 
-  python benchmarks/model_fit.py                     # Llama-3.2-1B and Llama-3.1-8B, 2,048 tokens
-  python benchmarks/model_fit.py --only estimate     # the single estimates only (a minute)
-  python benchmarks/model_fit.py --no-exact          # without the --exact figures (much faster)
+  python benchmarks/model_fit.py                        # every question, this checkout alone
+  python benchmarks/model_fit.py --baseline 7b34ca2     # each also asked of that commit, first
+  python benchmarks/model_fit.py --only bert            # the README's BERT-large questions
 
-Targets on 2 cores: the imports of an estimate within 2 s; one estimate of Llama-3.1-8B within
-3 s after them; the table plus the --gpu-memory search within 30 s for Llama-3.2-1B and 45 s for
-Llama-3.1-8B; the stack search (--stack-only) of Llama-3.1-8B within 60 s. It prints; time
-depends on the machine and on what else runs on it, so the load average is printed beside it.
-The configs are the published ones, in docs/models/: nothing is downloaded. Each figure is a
-first ask, with no estimate kept from before; the table's and the stack's are followed by the
-same model asked again for a 40GB GPU, with the estimates of the first ask kept (cache.py).
+The questions (the configs in docs/models/: nothing is downloaded), with their targets on 2 cores:
+
+  bert        the README's example, first time (nothing kept)                         60 s
+  bert-again  the same with another --gpu-memory (40GB), then another --gpu (h100),
+              the first ask's runs kept                                                 10 s each
+  llama-1b    Llama-3.2-1B, table + search + stack, 8 x 2,048 tokens, 24GB              90 s
+  llama-8b    Llama-3.1-8B --stack-only, 8 x 2,048 tokens, 24GB                         20 s
+
+Each question runs in a fresh process with a folder of kept runs of its own (ESTIMATE_CACHE), as a
+new user's would be; the "again" questions reuse the first ask's folder. --baseline REF checks
+REF out into a temporary worktree (git worktree add) and asks it the same questions in the same
+way, just before this checkout, so both figures share the machine's state. The answers (the
+stack's command, the table of what fits) are compared: a different answer is printed. It prints
+the CPU (lscpu's model name, and whether it has AVX-512 BF16) and the load average beside each
+figure: time depends on the machine and on what else runs on it. It only measures and prints.
 """
 import argparse
-import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -24,106 +31,99 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-MODELS = {"Llama-3.2-1B": "docs/models/llama-3.2-1b", "Llama-3.1-8B": "docs/models/llama-3.1-8b"}
-SHAPE = ["--task", "causal-lm", "--seq-len", "2048"]
-TARGETS = {("imports", None): 2, ("estimate", "Llama-3.1-8B"): 3,
-           ("search", "Llama-3.2-1B"): 30, ("search", "Llama-3.1-8B"): 45,
-           ("stack", "Llama-3.1-8B"): 60}
-# one estimate in a fresh process: its imports timed apart from the prediction
-ONE_ESTIMATE = """
-import json, sys, time
-start = time.perf_counter()
-from estimate.predict import predict
-from steps import STEPS
-import transformers.models.llama.modeling_llama
-imported = time.perf_counter()
-record = predict(STEPS["04"].path, sys.argv[2:], exact=sys.argv[1] == "exact")
-done = time.perf_counter()
-print(json.dumps({"imports": imported - start, "estimate": done - imported, "record": record}))
-"""
+BERT = ["--model", "docs/models/bert-large-uncased", "--seq-len", "512", "--batch-size", "16"]
+LLAMA = ["--task", "causal-lm", "--seq-len", "2048", "--batch-size", "8"]
+QUESTIONS = {  # name: (arguments of python -m estimate, target seconds, the kept folder's name)
+    "bert": ([*BERT, "--gpu-memory", "24GB"], 60, "bert"),
+    "bert-again": ([*BERT, "--gpu-memory", "40GB"], 10, "bert"),
+    "bert-again-h100": ([*BERT, "--gpu-memory", "24GB", "--gpu", "h100"], 10, "bert"),
+    "llama-1b": (["--model", "docs/models/llama-3.2-1b", *LLAMA, "--gpu-memory", "24GB"], 90,
+                 "llama-1b"),
+    "llama-8b": (["--model", "docs/models/llama-3.1-8b", *LLAMA, "--gpu-memory", "24GB",
+                  "--stack-only"], 20, "llama-8b"),
+}
+GROUPS = {"bert": ("bert", "bert-again", "bert-again-h100"), "llama-1b": ("llama-1b",),
+          "llama-8b": ("llama-8b",)}
 
 
-def verdict(seconds, key):
-    target = TARGETS.get(key)
-    if target is None:
-        return ""
-    return f" (target {target} s: {'met' if seconds <= target else 'NOT met'})"
+def processor():
+    """The CPU's model name and whether it has bfloat16 arithmetic (AVX-512 BF16 or AMX)."""
+    try:
+        text = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+    except OSError:
+        text = ""
+    name = next((line.split(":", 1)[1].strip() for line in text.splitlines()
+                 if line.startswith("Model name")), "unknown CPU")
+    bf16 = "avx512_bf16" in text or "amx_bf16" in text
+    return f"{name}, {os.cpu_count()} cores, {'with' if bf16 else 'without'} bfloat16 arithmetic"
 
 
-def run(command, kept="0"):
-    """(wall seconds, stdout) of `command` run from the repository; exits on a failure. `kept`:
-    ESTIMATE_CACHE, "0" (every estimate computed, as on a first ask) or the folder of kept ones."""
-    load = os.getloadavg()[0]
-    start = time.perf_counter()
-    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True,
-                          env={**os.environ, "ESTIMATE_CACHE": kept})
-    seconds = time.perf_counter() - start
+def ask(root, question, kept):
+    """(wall seconds, load average before, the answer's lines) of one question in `root`."""
+    arguments, _, _ = QUESTIONS[question]
+    with tempfile.TemporaryDirectory() as results:
+        command = [sys.executable, "-m", "estimate", *arguments, "--results-dir", results]
+        load = os.getloadavg()[0]
+        start = time.perf_counter()
+        done = subprocess.run(command, cwd=root, capture_output=True, text=True,
+                              env={**os.environ, "ESTIMATE_CACHE": str(kept)})
+        seconds = time.perf_counter() - start
     if done.returncode:
         print((done.stdout + done.stderr)[-3000:])
-        raise SystemExit(f"exit status {done.returncode}: {' '.join(command)}")
-    return seconds, done.stdout, load
+        raise SystemExit(f"exit status {done.returncode}: {' '.join(command)} (in {root})")
+    answer = [line.strip() for line in done.stdout.splitlines()
+              if line.startswith(("The stack", "  python", "  torchrun", "with adapters"))
+              or re.match(r"\| \d\d", line)]
+    return seconds, load, answer
 
 
-def estimates(name, folder, exact):
-    """The single estimate of 04 at batch 1, as quick and as --exact."""
-    flags = ["--model", folder, *SHAPE, "--batch-size", "1", "--accum-steps", "1"]
+def ask_all(root, groups, label):
+    """{question: (seconds, load, answer)} for `root`, each group with a kept folder of its own."""
     found = {}
-    for how in ("quick", "exact") if exact else ("quick",):
-        _, out, load = run([sys.executable, "-c", ONE_ESTIMATE, how, *flags])
-        found[how] = json.loads(out.strip().splitlines()[-1])
-        found[how]["load"] = load
-    quick = found["quick"]
-    print(f"{name}: one estimate (04, batch 1, 2,048 tokens), load average {quick['load']:.2f}")
-    print(f"  imports    {quick['imports']:.1f} s" + verdict(quick["imports"], ("imports", None)))
-    print(f"  estimate   {quick['estimate']:.1f} s" + verdict(quick["estimate"], ("estimate", name))
-          + f", from blocks {quick['record']['blocks']}")
-    if exact:
-        whole = found["exact"]
-        same = all(quick["record"][key] == whole["record"][key] for key in
-                   ("allocated_bytes", "reserved_bytes", "breakdown_bytes", "init_reserved_bytes"))
-        print(f"  --exact    {whole['estimate']:.1f} s: the same bytes: {same}")
-
-
-def searches(name, folder, exact, what):
-    """The table plus the --gpu-memory search, or the stack search alone, as quick and --exact."""
-    flags = [*SHAPE, "--model", folder, "--batch-size", "8", "--gpu-memory", "80GB"]
-    if what == "stack":
-        flags.append("--stack-only")
-    lines = {}
-    label = {"search": "the table and the --gpu-memory search", "stack": "the stack search"}[what]
-    for how in ("quick", "exact") if exact else ("quick",):
-        with tempfile.TemporaryDirectory() as results, tempfile.TemporaryDirectory() as kept:
-            command = [sys.executable, "-m", "estimate", *flags, "--results-dir", results,
-                       *(["--exact"] if how == "exact" else [])]
-            seconds, out, load = run(command, kept if how == "quick" else "0")
-            lines[how] = [line for line in out.splitlines() if line.startswith("|")]
-            print(f"{name}: {label} ({how}): {seconds:.0f} s wall, load average {load:.2f}"
-                  + (verdict(seconds, (what, name)) if how == "quick" else ""))
-            if how == "quick":  # the same model asked again, for another GPU: estimates kept
-                again = [word.replace("80GB", "40GB") for word in command]
-                seconds, _, load = run(again, kept)
-                print(f"  asked again with --gpu-memory 40GB: {seconds:.0f} s wall, load average "
-                      f"{load:.2f} (the estimates of the first ask kept: estimate/cache.py)")
-    if exact:
-        print(f"  the same tables as --exact: {lines['quick'] == lines['exact']}")
+    with tempfile.TemporaryDirectory() as folder:
+        for group in groups:
+            for question in GROUPS[group]:
+                kept = Path(folder) / QUESTIONS[question][2]
+                found[question] = ask(root, question, kept)
+                seconds, load, _ = found[question]
+                print(f"  {label}: {question}: {seconds:.1f} s (load average {load:.2f})", flush=True)
+    return found
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--only", choices=["estimate", "search", "stack"])
-    parser.add_argument("--no-exact", action="store_true", help="leave out the --exact figures")
+    parser.add_argument("--only", choices=list(GROUPS), nargs="+", help="only these questions")
+    parser.add_argument("--baseline", metavar="REF",
+                        help="a commit asked the same questions first, on the same machine")
     args = parser.parse_args()
-    print(f"{os.cpu_count()} cores; python {sys.version.split()[0]}\n")
-    for name, folder in MODELS.items():
-        if args.only in (None, "estimate"):
-            estimates(name, folder, not args.no_exact)
-    for what in ("search", "stack"):
-        if args.only not in (None, what):
-            continue
-        for name, folder in MODELS.items():
-            if (what, name) in TARGETS:
-                searches(name, folder, not args.no_exact, what)
+    groups = args.only or list(GROUPS)
+    print(f"{processor()}; python {sys.version.split()[0]}")
+    before = None
+    if args.baseline:
+        with tempfile.TemporaryDirectory() as parent:
+            tree = Path(parent) / "baseline"
+            subprocess.run(["git", "worktree", "add", "--detach", str(tree), args.baseline],
+                           cwd=ROOT, check=True, capture_output=True)
+            try:
+                before = ask_all(tree, groups, args.baseline)
+            finally:
+                subprocess.run(["git", "worktree", "remove", "--force", str(tree)], cwd=ROOT,
+                               capture_output=True)
+    now = ask_all(ROOT, groups, "this checkout")
+    print("\n| question | target | " + (f"{args.baseline} | " if before else "")
+          + "now | met? |\n|---|---:|" + ("---:|" if before else "") + "---:|---|")
+    for question, (seconds, _, answer) in now.items():
+        target = QUESTIONS[question][1]
+        old = f" {before[question][0]:.0f} s |" if before else ""
+        print(f"| {question} | {target} s |{old} {seconds:.0f} s | "
+              f"{'yes' if seconds <= target else 'no'} |")
+    if before:
+        for question, (_, _, answer) in now.items():
+            if sorted(answer) != sorted(before[question][2]):
+                print(f"\n{question}: the answers differ\n  before: "
+                      + "\n          ".join(before[question][2]) + "\n  now:    "
+                      + "\n          ".join(answer))
 
 
 if __name__ == "__main__":

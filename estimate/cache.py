@@ -238,6 +238,29 @@ def keep(name, kept):
     evict()
 
 
+def sizes_kept(family):
+    """The micro-batch sizes whose runs were kept for `family` (the key of a search's row with
+    no size: fit.py), as noted by note_size; [] if none."""
+    try:
+        return json.loads((folder() / f"{family}.sizes").read_text())
+    except (OSError, ValueError):
+        return []
+
+
+def note_size(family, size):
+    """Note that a run of `family` at micro-batch `size` was kept (for later searches)."""
+    if family is None:
+        return
+    sizes = sorted(set(sizes_kept(family)) | {size})
+    try:
+        folder().mkdir(parents=True, exist_ok=True)
+        partial = folder() / f"{family}.{os.getpid()}.sizes.tmp"
+        partial.write_text(json.dumps(sizes))
+        partial.replace(folder() / f"{family}.sizes")
+    except OSError:
+        pass
+
+
 def limit_bytes():
     value = os.environ.get(SIZE_VARIABLE, "")
     try:

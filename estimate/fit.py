@@ -26,6 +26,7 @@ import sys
 from concurrent.futures import as_completed
 from dataclasses import dataclass, field
 
+from estimate import cache
 from estimate.gpu_choices import DEFAULT_GPU
 from estimate.predict import Row, attempt, attempt_run, compiles, record_of, replayed
 from estimate.records import GB, size_text
@@ -37,6 +38,7 @@ UNITS = {"": GB, "b": 1, "kb": 10**3, "mb": 10**6, "gb": GB, "tb": 10**12,
          "g": 2**30, "t": 2**40}
 MAX_ESTIMATES = 12  # per script: two for the line, then confirmations (usually two)
 MAX_MICRO_BATCH = 4096  # per GPU: the search stops there ("4096+")
+FAR = 4  # the search's second run: this many times its guess at the answer (search())
 NOT_SEARCHED = ("compiled: its memory budget is solved over the whole joint graph of the step, "
                 "so it is estimated once, at the asked size (no search)")
 
@@ -65,6 +67,7 @@ class Fit:
     tried: dict = field(default_factory=dict)  # micro-batch: (allocated, reserved) bytes, estimated
     problem: str | None = None
     not_searched: str | None = None  # why the asked batch alone was estimated
+    estimated: int | None = None  # sizes estimated by this search (None: every one tried)
     written: int = 0  # sizes written from the line of sizes (sizes.py) and replayed
     not_by_sizes: str | None = None  # why the sizes were estimated one by one instead
 
@@ -97,20 +100,35 @@ def search(script, base_argv, world_size, capacity, accumulates, known=None, gpu
         kept, _, _ = attempt_run(row)  # kept: the estimate that made the known point
         if kept is not None:
             runs[micro] = kept
+    sizes_key = cache.key(micro_row(script, base_argv, world_size, 0, accumulates, gpu), False)
+    for micro in cache.sizes_kept(sizes_key) if sizes_key else ():  # an earlier question's runs
+        if micro not in runs and micro <= cap:
+            kept, _, _ = attempt_run(micro_row(script, base_argv, world_size, micro,
+                                               accumulates, gpu), run=False)
+            if kept is not None:
+                runs[micro] = kept
+                record = record_of(kept, gpu)
+                found.tried[micro] = (record["allocated_bytes"], record["reserved_bytes"])
+    kept_before = len(found.tried)
 
     def estimated(micro):
         kept, problem, _ = attempt_run(micro_row(script, base_argv, world_size, micro,
                                                  accumulates, gpu))
         if problem:
             raise RuntimeError(problem)
+        cache.note_size(sizes_key, micro)
         record = record_of(kept, gpu)
         runs[micro], found.tried[micro] = kept, (record["allocated_bytes"], record["reserved_bytes"])
 
     try:
         while len([size for size in runs if size >= SMALLEST]) < 2:  # two sizes draw the line
+            # a run costs the same at any size: the second well beyond the guess at the answer,
+            # so that the answer, and a later question's (another capacity or GPU), lies between
             guess = max(first_guess(found.tried, capacity, per_sample, cap), SMALLEST)
+            if any(size >= SMALLEST for size in runs):
+                guess = min(cap, snap(FAR * guess))
             if guess in runs:  # (nothing says how far the answer is: a size well above)
-                guess = min(cap, 8 * next_size(max(runs)))
+                guess = min(cap, snap(FAR * next_size(max(runs))))
             if guess in runs or guess < SMALLEST:
                 raise NotBySizes(f"the search may try too few sizes (up to {cap})")
             estimated(guess)
@@ -134,7 +152,7 @@ def search(script, base_argv, world_size, capacity, accumulates, known=None, gpu
                    if micro not in runs and not (checked and family.between(micro))]
             if not due:
                 found.largest, found.capped = answer, answer is not None and answer >= cap
-                found.written = len(written)
+                found.written, found.estimated = len(written), len(found.tried) - kept_before
                 return found
             for micro in due:
                 estimated(micro)
@@ -377,7 +395,9 @@ def search_words(fit):
 
 
 def estimates_words(fit):
-    return f"{len(fit.tried)} estimates" + (f", {fit.written} sizes written" if fit.written else "")
+    made = "" if fit.estimated is None else f", {fit.estimated} new"
+    return f"{len(fit.tried)} estimates{made}" + (f", {fit.written} sizes written" if fit.written
+                                                  else "")
 
 
 class ProgressBar:

@@ -202,15 +202,18 @@ def attempt(row):
     return (record_of(kept, row.gpu, row.snapshot) if kept else None), problem, seconds
 
 
-def attempt_run(row):
+def attempt_run(row, run=True):
     """(KeptRun, None, seconds) or (None, message, seconds), as attempt: the row's fake run,
-    kept from an earlier one (cache.py) where one still holds, else made and kept."""
+    kept from an earlier one (cache.py) where one still holds, else made and kept (unless not
+    `run`: then (None, None, None))."""
     start = time.perf_counter()
     name = cache.key(row, row.exact or os.environ.get(EXACT_VARIABLE) == "1")
     emulated = GPUS[row.gpu] if wants_cuda_emulation(row.argv) else None
     kept = name and cache.load(name, emulated)
     if kept:
         return kept, None, None
+    if not run:
+        return None, None, None
     try:
         kept = run_for(row)
     except Exception as error:  # noqa: BLE001 - reported as the row's outcome

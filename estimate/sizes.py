@@ -83,7 +83,7 @@ class Family:
         self.sizes = sorted(points)
         self.points = points
         self.events = {size: canonical(kept.events) for size, kept in points.items()}
-        low, high = points[self.sizes[0]], points[self.sizes[-1]]
+        low = points[self.sizes[0]]
         for size in self.sizes:
             kept = points[size]
             if kept.size_choices:
@@ -99,9 +99,6 @@ class Family:
                       for index, (event, that) in enumerate(zip(self.events[self.sizes[0]],
                                                                 self.events[self.sizes[-1]]))
                       if event[0] in SIZED and event[2] != that[2]]
-        self.counts = {name: (Fraction(high.record[name] - low.record[name], span),
-                              low.record[name]) for name in ("batch_size",)}
-        self.batch_line = (Fraction(high.batch_bytes - low.batch_bytes, span), low.batch_bytes)
         for size in self.sizes[1:-1]:  # the runs between: written from the line, event for event
             if self.written(size, check=True).events != self.events[size]:
                 raise NotBySizes(f"micro-batch {size} is not on the line through "
@@ -124,11 +121,10 @@ class Family:
         for index, slope, start in self.lines:
             event = events[index]
             events[index] = (*event[:2], self.value((slope, start), size), *event[3:])
-        record = dict(low.record)
-        for name, line in self.counts.items():
-            record[name] = self.value(line, size)
-        return replace(low, events=events, record=record,
-                       batch_bytes=self.value(self.batch_line, size))
+        # what the search replays is the trace; the batch a run was asked for (the table's
+        # row runs its own) is not written
+        record = {**low.record, "batch_size": None, "accum_steps": None}
+        return replace(low, events=events, record=record, batch_bytes=None)
 
     def between(self, size):
         """Whether `size` lies within the sizes run (written, not extrapolated)."""

@@ -250,6 +250,8 @@ def table_main(argv):
         print("\n" + fit_table(fits, args.gpu_memory))
         notes += [f"{fit.script}: {fit.problem or fit.not_searched}" for fit in fits
                   if fit.problem or fit.not_searched]
+        notes += [f"{fit.script}: every size its search tried was estimated ({fit.not_by_sizes})"
+                  for fit in fits if fit.not_by_sizes and not fit.problem]
     elif args.quiet:
         print(table(rows, outcomes, not_estimated))
         return 1 if any(problem for _, problem, _ in outcomes) else 0

@@ -8,7 +8,7 @@ import pytest
 
 from architecture_matrix import ARCHITECTURES, model_flags, write_model
 from conftest import script_path
-from estimate.fit import micro_row, next_size, search
+from estimate.fit import micro_row, next_size, search, search_by_estimates
 from estimate.predict import predict, record_of, run_for
 from estimate.sizes import Family, NotBySizes, canonical
 
@@ -115,3 +115,21 @@ def test_a_search_of_a_size_dependent_run_estimates_every_size(llama):
 def test_the_search_stops_when_one_sample_does_not_fit():
     found = search(script_path("03"), ["--device", "cuda"], 1, 2**20, False)
     assert found.largest is None and found.problem is None and 1 in found.tried
+
+
+def test_a_later_question_between_the_sizes_run_is_answered_from_kept_runs_alone(tmp_path,
+                                                                                  monkeypatch):
+    """Another capacity: the runs of the first question are found again (cache.py keeps the
+    sizes run for each search), and an answer between them on the checked line needs none."""
+    monkeypatch.setenv("ESTIMATE_CACHE", str(tmp_path / "kept"))
+    folder = write_model(tmp_path / "bert", "BERT")
+    flags = [*model_flags(folder, "BERT"), "--device", "cuda"]
+    at = {size: record_of(kept)["reserved_bytes"]
+          for size, kept in runs("04", flags, (2, 400)).items()}
+    first = search(script_path("04"), flags, 1, (at[2] + at[400]) // 2, True)
+    assert first.estimated >= 2 and first.not_by_sizes is None
+    lower = (at[2] + first.tried[first.largest][1]) // 2  # an answer between the sizes run
+    again = search(script_path("04"), flags, 1, lower, True)
+    assert again.estimated == 0 and again.written and 2 <= again.largest < first.largest
+    exact = search_by_estimates(script_path("04"), flags, 1, lower, True)
+    assert exact.largest == again.largest
