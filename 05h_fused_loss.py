@@ -121,13 +121,13 @@ def train(args, device):
             progress.step(epoch, loss)
             if progress.steps == total_steps:
                 break
-        score = evaluate(model, data.val, device, DTYPE, fused_loss,  # bf16-true, fused loss
-                         pieces=args.accum_steps)  # gradient accumulation
-        progress.epoch(epoch, args.epochs, score)  # chunked loss
+        score = evaluate(model, data.val, device, DTYPE,  # bf16-true, gradient accumulation
+                         pieces=args.accum_steps, loss=fused_loss)  # fused loss
+        progress.epoch(epoch, args.epochs, score)
         if progress.steps == total_steps:
             break
-    test_score = evaluate(model, data.test, device, DTYPE, fused_loss,  # bf16-true, fused loss
-                          pieces=args.accum_steps)  # gradient accumulation
+    test_score = evaluate(model, data.test, device, DTYPE,  # bf16-true, gradient accumulation
+                          pieces=args.accum_steps, loss=fused_loss)  # fused loss
     return report(args, __file__, creation, meter, progress, test_score)
 
 

@@ -108,12 +108,13 @@ def train(args, device):
             progress.step(epoch, loss)
             if progress.steps == total_steps:
                 break
-        progress.epoch(epoch, args.epochs, evaluate(model, data.val, device, DTYPE,  # bf16-true
-                                                    pieces=args.accum_steps))  # gradient accumulation
+        score = evaluate(model, data.val, device, DTYPE,  # bf16-true, gradient accumulation
+                         pieces=args.accum_steps)  # a micro-batch a forward
+        progress.epoch(epoch, args.epochs, score)
         if progress.steps == total_steps:
             break
-    test_score = evaluate(model, data.test, device, DTYPE,  # bf16-true: bfloat16 inputs
-                          pieces=args.accum_steps)  # gradient accumulation
+    test_score = evaluate(model, data.test, device, DTYPE,  # bf16-true, gradient accumulation
+                          pieces=args.accum_steps)  # a micro-batch a forward
     return report(args, __file__, creation, meter, progress, test_score)
 
 

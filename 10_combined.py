@@ -621,13 +621,13 @@ def train(args, device):
             progress.step(epoch, loss)
             if progress.steps == total_steps:
                 break
-        score = evaluate(model, data.val, device, dtype, evaluation_loss,  # bf16-true, chunked loss
-                         pieces=args.accum_steps)  # gradient accumulation
-        progress.epoch(epoch, args.epochs, score)  # chunked loss
+        score = evaluate(model, data.val, device, dtype,  # bf16-true, gradient accumulation
+                         pieces=args.accum_steps, loss=evaluation_loss)  # chunked loss
+        progress.epoch(epoch, args.epochs, score)
         if progress.steps == total_steps:
             break
-    test_score = evaluate(model, data.test, device, dtype, evaluation_loss,  # bf16-true, chunked loss
-                          pieces=args.accum_steps)  # gradient accumulation
+    test_score = evaluate(model, data.test, device, dtype,  # bf16-true, gradient accumulation
+                          pieces=args.accum_steps, loss=evaluation_loss)  # chunked loss
     return report(args, __file__, creation, meter, progress, test_score)
 
 

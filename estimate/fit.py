@@ -364,19 +364,21 @@ def search_all(rows, outcomes, capacity, jobs, accumulates):
         tasks.append((search_task(row, record, capacity, accumulates(script)), record))
     started = (f"searching the largest batch that fits in {size_text(capacity)} for {len(tasks)} "
                "scripts: traces of a few sizes, written for the rest")
-    print(started, flush=True)
     bar = ProgressBar(len(tasks), "scripts searched")
     if jobs > 1 and len(tasks) > 1:
         with worker_pool(jobs, lambda: "during the --gpu-memory search: no table of what fits, "
                          "and results/estimate.json is as it was") as pool:
             futures = [pool.submit(search, *task) for task, _ in tasks]
+            print(started, flush=True)  # (Ctrl-C from here on: the pool's message)
             for future in as_completed(futures):
                 bar.advance(search_words(future.result()))
             found = [future.result() for future in futures]
     else:
-        found = [search(*task) for task, _ in tasks]
-        for fit in found:
-            bar.advance(search_words(fit))
+        print(started, flush=True)
+        found = []
+        for task, _ in tasks:
+            found.append(search(*task))
+            bar.advance(search_words(found[-1]))
     bar.close()
     for fit, (_, record) in zip(found, tasks):
         fit.batch_size, fit.world_size = record["batch_size"], record["world_size"]

@@ -100,11 +100,55 @@ def pytest_configure(config):
                                 "loadgroup, pytest.ini): install requirements-dev.txt's pins")
 
 
+# `pytest -m quick`: a test of each claim the README makes, within 3 minutes on 2 cores, for the
+# edit-and-test loop (the README's test command runs them all). Each claim names tests by the
+# start of their ids; tests/test_layout.py checks that each names one.
+QUICK_SUBSET = {
+    "a step is its parent plus one technique, its lines tagged": (
+        "tests/test_layout.py::test_every_changed_block_opens_with_its_steps_tag[03-04]",
+        "tests/test_layout.py::test_the_readme_lists_every_tag",
+        "tests/test_branches.py::test_a_branch_starts_from_the_parent_of_its_step"),
+    "each technique does what it says": (
+        "tests/test_steps.py::test_accumulated_gradient_equals_the_whole_batch_gradient[tiny]",
+        "tests/test_steps.py::test_sgd_keeps_no_state_and_cosine_ends_at_zero",
+        "tests/test_steps.py::test_bf16_true_keeps_parameters_and_optimizer_state_in_bfloat16"),
+    "every run prints and records its peak, time and score": (
+        "tests/test_steps.py::test_written_record_matches_returned_one",),
+    "--estimate predicts a run's peak without a GPU": (
+        "tests/estimate/test_estimate.py::test_the_recorded_order_replays_to_memtrackers_own_peak",
+        "tests/estimate/test_cache.py::test_what_the_gpu_emulation_reads_is_what_it_keeps"),
+    "--gpu-memory finds the largest batch that fits; asked again, from kept runs": (
+        "tests/estimate/test_sizes.py::test_a_later_question_between_the_sizes_run",
+        "tests/estimate/test_fit.py::test_the_search_finds_the_largest_that_fits_from_any_first_guess"),
+    "the stack: the first prefix of the chain that fits": (
+        "tests/estimate/test_stack.py::test_the_cost_model_orders_the_links_within_their_group",),
+    "the combined script holds every technique behind a switch": (
+        "tests/test_combined.py::test_every_technique_tag_is_in_the_combined_script",
+        "tests/test_combined.py::test_code_under_a_tag_is_its_scripts_code"),
+    "the calculators people use, beside the estimate": (
+        "tests/test_calculators.py::test_accelerate_trains_with_adam_in_4x_the_weights_bytes",),
+    "language models: evaluation and the chunked loss": (
+        "tests/test_causal_lm.py::test_evaluation_runs_a_piece_of_a_batch_at_a_time",),
+    "a copied script needs only common/": (
+        "tests/test_layout.py::test_copying_a_script_lists_what_each_script_imports",),
+    "the tour's report": ("tests/tour/test_tour.py::test_report_table_rows_ratios_and_failures",),
+    "the chapters' links and commands": (
+        "tests/test_docs.py::test_every_relative_link_resolves",
+        "tests/test_docs.py::test_the_readme_is_a_landing_page_that_links_every_chapter"),
+    "no library warning a user cannot act on": (
+        "tests/test_library_warnings.py::test_memtrackers_own_warnings_are_silenced_and_no_other",),
+}
+
+
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the groups marked here
 def pytest_collection_modifyitems(items):
     """Two worker processes (pytest.ini: --dist loadgroup) would each make a shared fixture once:
-    the tests that read one are sent to one worker, so that it is made once."""
+    the tests that read one are sent to one worker, so that it is made once. The tests
+    QUICK_SUBSET names are marked `quick`."""
+    quick = tuple(start for starts in QUICK_SUBSET.values() for start in starts)
     for item in items:
+        if item.nodeid.startswith(quick):
+            item.add_marker(pytest.mark.quick)
         names = set(item.fixturenames)
         if names & SHARED_ACROSS_MODULES:
             item.add_marker(pytest.mark.xdist_group("quick-runs"))

@@ -41,9 +41,11 @@ ADAPTED_LINES = {
     "inputs, labels = to_device(inputs, device, dtype), labels.to(device)":
         "03's line with the dtype --precision chooses (03: DTYPE)",
     "micro_inputs = to_device(micro_inputs, device, dtype)": "the same (04)",
-    "score = evaluate(model, data.val, device, dtype, evaluation_loss,": "05g's line with the "
-        "loss --loss chooses (05g: chunked_loss) and the dtype --precision chooses",
-    "test_score = evaluate(model, data.test, device, dtype, evaluation_loss,": "the same",
+    "score = evaluate(model, data.val, device, dtype,": "04's line with the dtype --precision "
+        "chooses (04: DTYPE)",
+    "test_score = evaluate(model, data.test, device, dtype,": "the same",
+    "pieces=args.accum_steps, loss=evaluation_loss)": "05g's line with the loss --loss chooses "
+        "(05g: chunked_loss)",
     "evaluation_loss = {\"chunked\": chunked_loss, \"fused\": fused_loss}.get(args.loss)": "05g "
         "and 05h evaluate with their own loss; 10 with the loss --loss chooses",
     "def step_on_host(optimizer, weights):": "05f's lines of train_step as a function, also "

@@ -165,8 +165,10 @@ def imported_by(path, every_import=True):
 
 
 def common_imported(modules):
-    """`modules` and every common/ module they import at their top, in turn."""
+    """`modules` and every common/ module they import at their top, in turn (the package's own
+    __init__ runs first: what it imports too)."""
     found, todo = set(), [name for name in modules if name.startswith("common.")]
+    todo += ["common.__init__"] if todo else []
     while todo:
         name = todo.pop()
         if name not in found:
@@ -174,7 +176,7 @@ def common_imported(modules):
             path = ROOT / "common" / f"{name.removeprefix('common.')}.py"
             todo += [other for other in imported_by(path, every_import=False)
                      if other.startswith("common.")]
-    return found
+    return found - {"common.__init__"}
 
 
 def ticked(text):
@@ -253,3 +255,18 @@ def test_a_copy_without_the_compiled_memory_module_says_what_compile_needs(tmp_p
     done = run_copy(target, "04", "--compile", "--device", "cpu")
     assert done.returncode == 2
     assert "common/compiled_memory.py" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_the_quick_subset_has_a_test_of_each_claim_it_names():
+    """`pytest -m quick` (tests/conftest.py's QUICK_SUBSET): every start of a test id it lists is
+    the start of a collected test's id, and those alone are marked."""
+    from conftest import QUICK_SUBSET
+    done = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-m", "quick",
+                           "-p", "no:xdist", "-o", "addopts="], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300)
+    collected = [line for line in done.stdout.splitlines() if "::" in line]
+    for claim, starts in QUICK_SUBSET.items():
+        for start in starts:
+            assert any(test.startswith(start) for test in collected), f"{claim}: {start}"
+    assert all(any(test.startswith(start) for starts in QUICK_SUBSET.values() for start in starts)
+               for test in collected)
