@@ -16,9 +16,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from estimate.command import main as estimate_table
+from estimate.command import resources_used
 from estimate.records import GB, load_estimates
-from estimate.table import main as estimate_table
-from estimate.table import resources_used
 
 TARGET_SECONDS, TARGET_RSS_GB, TARGET_RATIO_OFF = 60, 2.0, 0.10
 

@@ -29,10 +29,10 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from estimate import stack  # noqa: E402
+from estimate.command import main as estimate_main  # noqa: E402
 from estimate.fit import micro_row  # noqa: E402
 from estimate.predict import attempt  # noqa: E402
 from estimate.records import GB, MIB  # noqa: E402
-from estimate.table import main as estimate_main  # noqa: E402
 from steps import STEPS  # noqa: E402
 
 COMBINED = STEPS["10"].path

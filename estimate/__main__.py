@@ -2,6 +2,6 @@
 import sys
 
 from common.cli import run_main
-from estimate.table import main
+from estimate.command import main
 
 sys.exit(run_main(main))  # Ctrl-C between estimates: one line, no traceback

@@ -1,4 +1,5 @@
-"""The estimate by blocks: a model of N repeated blocks predicted from runs with a few of them.
+"""The estimate by blocks, its trace synthesis: the trace of a model of N repeated blocks written
+from the traces of runs with a few of them (estimate/probes.py makes those runs).
 
 A decoder or encoder is an embedding, blocks that repeat with a period (1 for most; ModernBERT
 alternates global and local attention every third layer: its `layer_types` repeat every 3) and
@@ -35,7 +36,6 @@ from collections import defaultdict
 
 from estimate.allocation_trace import ALLOC, FREE, LABEL, RESIZE
 
-CREATION, TRAINING = ("creation",), ("training",)  # where creation's events start and end
 # the probes' periods of blocks, tried in turn: the first block is unlike the others, and under
 # FSDP the last too (it gathers no next block's weights ahead), so a sharded model repeats from 3
 PROBES = ((2, 3, 4), (3, 4, 5))
@@ -404,63 +404,3 @@ def movable(sequence, found, number):
     before = max((begin + copies * size for begin, copies, size in found if begin < start),
                  default=0)
     return start - 1 >= before and sequence[start - 1] == sequence[start + length - 1]
-
-
-def linear(values, periods, total):
-    """A count that grows by the same step per period (checked on the probes), at `total`."""
-    steps = {later - earlier for earlier, later in zip(values, values[1:])}
-    if len(steps) != 1:
-        raise NotByBlocks("a count does not grow by the same step per period")
-    return values[0] + steps.pop() * (total - periods[0])
-
-
-def marked(run):
-    """A probe's events with CREATION and TRAINING where model creation's events start and end."""
-    events, start, stop = run.trace.events, run.creation_events.start, run.creation_events.stop
-    return [*events[:start], CREATION, *events[start:stop], TRAINING, *events[stop:]]
-
-
-def run_by_blocks(script_path, argv, world_size, gpu, any_batch_size, sharded=False):
-    """A FakeRun of the whole model, written from runs of the model cut to a few periods of its
-    blocks (its trace, creation's part of it and the parameter counts); NotByBlocks where the
-    model does not repeat so, or is too short to gain. `sharded`: the script shards the model
-    (FSDP), whose probes start at 3 periods."""
-    from estimate.fake_run import collector_frozen
-    with collector_frozen():  # once for all the probes, not once each
-        return by_blocks(script_path, argv, world_size, gpu, any_batch_size, sharded)
-
-
-def by_blocks(script_path, argv, world_size, gpu, any_batch_size, sharded):
-    """run_by_blocks' work, the garbage collector frozen."""
-    from estimate.fake_run import run_on_fake_tensors
-    runs, failed = {}, None
-    for periods in SHARDED_PROBES if sharded else PROBES:
-        for count in periods:
-            if count not in runs:
-                runs[count] = run_on_fake_tensors(script_path, argv, world_size, gpu,
-                                                  any_batch_size, probe=count)
-                if runs[count].blocks is None:
-                    raise NotByBlocks("the script created no model from a config")
-        total = runs[periods[0]].blocks[0]
-        try:
-            events = extend([marked(runs[count]) for count in periods], periods,
-                            runs[periods[0]].periods)
-        except NotByBlocks as problem:
-            failed = problem
-            continue
-        break
-    else:
-        raise failed
-    start, stop = events.index(CREATION), events.index(TRAINING)
-    whole = runs[periods[-1]]
-    whole.trace.events = [event for event in events if event not in (CREATION, TRAINING)]
-    whole.trace.phases = None  # (the memory snapshot runs the whole model: --exact)
-    whole.creation_events = slice(start, stop - 1)
-    counted = [runs[count].meter_result for count in periods]
-    whole.meter_result = {
-        "peak_memory_bytes": None, "breakdown_bytes": None,  # (a CPU run's: runs whole)
-        **{name: linear([found[name] for found in counted], periods, whole.periods)
-           for name in ("parameter_count", "parameters_held")}}
-    whole.blocks = (total, [runs[count].blocks[1] for count in periods])
-    whole.probe = None
-    return whole

@@ -38,6 +38,7 @@ from common.presets import is_text
 from common.progress import Progress
 from estimate import gpu_choices, sizes
 from estimate.allocation_trace import AllocationTrace
+from estimate.blocks import cut_for_probe
 from estimate.contract import EstimateError, check_contract, required_names
 from estimate.fake_tensor_patches import (
     INIT_PROCESS_GROUP,
@@ -214,7 +215,6 @@ def stand_ins(run, world_size):
             attention = gpu_choices.register_gpu_attention(run.gpu_read)
         config = model_config(preset)
         if run.probe is not None:  # the model cut to a few periods of its blocks (blocks.py)
-            from estimate.blocks import cut_for_probe
             run.periods, whole, config = cut_for_probe(config, run.probe)
             run.blocks = (whole, config.num_hidden_layers)
         with torch.device("meta"):  # initialisers read values: build on meta, then swap in fakes

@@ -1,6 +1,6 @@
 """What a fake run leaves for the prediction: its allocation trace and the few counts beside it.
 
-A prediction is a fake run (fake_run.py, or the probes of blocks.py) and a replay of its trace
+A prediction is a fake run (fake_run.py, or the probes of probes.py) and a replay of its trace
 through the caching allocator for the GPU asked (predict.py). The run is the slow part (seconds);
 the replay takes milliseconds. A KeptRun holds what the replay and the record need, so that it
 can be kept on disk (cache.py) and replayed for every GPU whose properties the run did not read

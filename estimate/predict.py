@@ -11,7 +11,6 @@ from common.memory import model_state_bytes_per_parameter
 from common.summary import model_state_words, run_words
 from estimate import cache
 from estimate.allocation_trace import replay
-from estimate.blocks import run_by_blocks
 from estimate.fake_run import (
     EstimateError,
     run_on_fake_tensors,
@@ -20,6 +19,7 @@ from estimate.fake_run import (
 )
 from estimate.gpu_choices import DEFAULT_GPU, GPUS, HOST_CATEGORIES_WHEN_OFFLOADED, gpu_problem
 from estimate.kept_run import from_fake_run
+from estimate.probes import run_by_blocks
 from estimate.records import read_estimate, save_records, size_text
 from estimate.snapshot import Recorder
 from estimate.snapshot import write as write_snapshot
@@ -66,7 +66,7 @@ def run_for(row):
     exact = row.exact or os.environ.get(EXACT_VARIABLE) == "1"
     run, snapshot, any_batch_size = None, row.snapshot, row.any_batch_size
     if wants_cuda_emulation(argv) and not (exact or snapshot or compiles(script_path, argv)):
-        try:  # from runs of a few periods of the model's blocks (blocks.py), where they repeat
+        try:  # from runs of a few periods of the model's blocks (probes.py), where they repeat
             run = run_by_blocks(script_path, argv, world_size, gpu, any_batch_size,
                                 sharded=shards(script_path))
         except Exception:  # noqa: BLE001 - NotByBlocks, or a probe's failure: run it whole

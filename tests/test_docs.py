@@ -87,7 +87,7 @@ def script_module(path):
 
 # python -m PROGRAM: the module whose main() reads its command line, the function that main()
 # calls once the command line is checked, and whether that function checks it too
-MODULES = {"estimate": ("estimate.table", "model_flags", True),  # reads --model and the preset
+MODULES = {"estimate": ("estimate.command", "model_flags", True),  # reads --model and the preset
            "tour": ("tour.runner", "parse_args", True),
            "tour.report": ("tour.report", "write_report", False)}
 

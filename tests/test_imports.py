@@ -15,12 +15,19 @@ def module_name(path):
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
+# packages whose modules' imports inside functions count too: a module that imports another
+# only when called still needs it, and the estimator's jobs stay one a module, none calling back
+EVERY_IMPORT = ("estimate",)
+
+
 def imports_at_the_top(path, modules):
-    """The repository modules `path` imports when it is imported (not inside functions):
-    `from package import submodule` is the submodule (a package's own __init__ runs first
-    anyway, as for any import below it)."""
+    """The repository modules `path` imports when it is imported (not inside functions, but for
+    a module of EVERY_IMPORT: anywhere): `from package import submodule` is the submodule (a
+    package's own __init__ runs first anyway, as for any import below it)."""
     found = set()
-    for node in ast.parse(path.read_text()).body:
+    tree = ast.parse(path.read_text())
+    everywhere = module_name(path).split(".")[0] in EVERY_IMPORT
+    for node in ast.walk(tree) if everywhere else tree.body:
         if isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:

@@ -26,7 +26,7 @@ def test_an_unwritable_results_dir_stops_the_run_before_training(where, tmp_path
 
 
 def test_the_estimate_table_checks_its_results_dir_first(tmp_path, capsys):
-    from estimate.table import main
+    from estimate.command import main
     with pytest.raises(SystemExit):
         main(["--results-dir", "/proc/no-such-dir"])
     assert "cannot write there" in capsys.readouterr().err

@@ -39,9 +39,9 @@ from pathlib import Path
 from common.atomic_write import atomic_path, write_json_atomically
 from common.cli import add_shared_flags, positive_int
 from common.presets import PRESETS, for_task
+from estimate.command import processes_for
 from estimate.records import ESTIMATE_FILE
 from estimate.stack import whole_stack
-from estimate.table import processes_for
 from steps import STEPS, UnknownStep, select, step_of
 from tour.records import STACK_SUFFIX, TOUR_FILE, read_json
 from tour.report import ESTIMATE_CHART, ESTIMATE_TABLE, REPORT_FILES, TOUR_CHART, TOUR_TABLE, write_report

@@ -16,11 +16,11 @@ from common.presets import PRESETS
 from conftest import ROOT, TEXT, load_script, model_state_bytes, script_path
 from estimate.allocation_trace import ALLOC, replay
 from estimate.caching_allocator import MEDIUM_SEGMENT, SMALL_REQUEST, SMALL_SEGMENT, CachingAllocatorModel
+from estimate.command import main as estimate_table
+from estimate.command import run_rows
 from estimate.fake_run import EstimateError, run_on_fake_tensors
 from estimate.gpu_choices import CUBLAS_WORKSPACE_BYTES, CUBLAS_WORKSPACES, GPUS
 from estimate.predict import Row, estimate, predict
-from estimate.table import main as estimate_table
-from estimate.table import run_rows
 
 NO_EMULATION = ["--device", "cpu"]
 

@@ -8,10 +8,10 @@ import pytest
 import estimate.fit
 from conftest import script_path
 from estimate import stack
+from estimate.command import main as table_main
 from estimate.fit import granule
 from estimate.predict import attempt
 from estimate.records import size_text
-from estimate.table import main as table_main
 from steps import import_script
 
 BATCH = 8
