@@ -256,3 +256,20 @@ def test_the_4bit_links_bytes_a_parameter_are_those_05js_step_moves():
         optimizer.step()
     counted = traffic.moved / weight.numel()
     assert abs(counted - stack.COST["adamw_4bit_bytes_per_parameter"]) < 0.1 * counted, counted
+
+
+def test_the_answer_comes_first_and_quiet_prints_it_alone(tmp_path, capsys, monkeypatch):
+    """--gpu-memory: the stack and its command before the tables; --quiet: those lines alone
+    (asked again: the runs kept from the first ask)."""
+    from estimate.command import main
+    monkeypatch.setenv("ESTIMATE_CACHE", str(tmp_path / "kept"))
+    flags = ["--preset", "tiny", "--steps", "04", "--gpu-memory", "1GB", "--results-dir",
+             str(tmp_path), "--jobs", "1"]
+    assert main(flags) == 0
+    loud = capsys.readouterr().out
+    assert loud.index("The stack:") < loud.index("| script |")
+    assert main([*flags, "--quiet"]) == 0
+    quiet = capsys.readouterr().out.strip().splitlines()
+    assert quiet[0].startswith("The stack: bf16 fits batch 64")
+    assert quiet[1].strip().startswith("python 10_combined.py --preset tiny --batch-size 64")
+    assert len(quiet) == 3 and quiet[2].startswith("with adapters")
