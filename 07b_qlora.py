@@ -16,12 +16,6 @@ import sys  # LoRA: its note goes to standard error
 import torch
 from transformers.pytorch_utils import Conv1D  # LoRA: GPT-2's linear layers, weights transposed
 
-try:  # QLoRA: 4-bit layers from bitsandbytes (requirements.txt pins it)
-    from bitsandbytes.nn import Linear4bit, Params4bit
-except ImportError as error:
-    raise SystemExit(f"error: 07b needs bitsandbytes' Linear4bit ({error}). Install it with "
-                     "pip install bitsandbytes==0.50.2 (as requirements.txt pins), or use 07a.")
-
 # --estimate runs main() on fake tensors with stand-ins for these names (no data, no download):
 # keep importing them by name. The list and the reasons: estimate/contract.py.
 from common.cli import parse_args
@@ -33,6 +27,12 @@ from common.presets import preset_for
 from common.progress import Progress
 from common.quirks import keep_training_layout
 from common.summary import report
+
+try:  # QLoRA: 4-bit layers from bitsandbytes (requirements.txt pins it)
+    from bitsandbytes.nn import Linear4bit, Params4bit
+except ImportError as error:
+    raise SystemExit(f"error: 07b needs bitsandbytes' Linear4bit ({error}). Install it with "
+                     "pip install bitsandbytes==0.50.2 (as requirements.txt pins), or use 07a.")
 
 DTYPE = torch.bfloat16  # bf16-true: weights, gradients, optimizer state and activations
 

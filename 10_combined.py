@@ -29,14 +29,6 @@ from torch.utils.checkpoint import checkpoint  # checkpointing on one device
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 from transformers.pytorch_utils import Conv1D  # LoRA: GPT-2's linear layers, weights transposed
 
-try:  # 8-bit AdamW, QLoRA: from bitsandbytes (requirements.txt pins it)
-    from bitsandbytes.nn import Linear4bit, Params4bit
-    from bitsandbytes.optim import AdamW8bit
-    NO_BITSANDBYTES = None
-except ImportError as error:  # said when --optimizer adamw-8bit or --qlora needs it (main)
-    NO_BITSANDBYTES = f"bitsandbytes ({error}). Install it with pip install bitsandbytes==0.50.2 " \
-                      "(as requirements.txt pins)"
-
 # --estimate runs main() on fake tensors with stand-ins for these names (no data, no download):
 # keep importing them by name. The list and the reasons: estimate/contract.py.
 from common.cli import (check_batch_split, checkpointing_kind, compiler_problem, parse_args, positive_float,
@@ -51,6 +43,14 @@ from common.progress import Progress
 from common.quirks import (BlockWrapper, check_output_layer_without_bias,
                            check_plain_output_layer, keep_training_layout)
 from common.summary import report
+
+try:  # 8-bit AdamW, QLoRA: from bitsandbytes (requirements.txt pins it)
+    from bitsandbytes.nn import Linear4bit, Params4bit
+    from bitsandbytes.optim import AdamW8bit
+    NO_BITSANDBYTES = None
+except ImportError as error:  # said when --optimizer adamw-8bit or --qlora needs it (main)
+    NO_BITSANDBYTES = f"bitsandbytes ({error}). Install it with pip install bitsandbytes==0.50.2 " \
+                      "(as requirements.txt pins)"
 
 PRECISIONS = {"fp32": torch.float32, "mixed": torch.float32, "bf16": torch.bfloat16}  # 01, 02, 03
 

@@ -10,15 +10,16 @@ For each script the search finds the largest micro-batch per GPU whose predicted
   --accum-steps 2`), which peaks as any number of them does (tests/estimate checks it), so the
   answer holds for every batch made of such micro-batches.
 
-Memory grows about linearly with the micro-batch, so two estimates give a line, the line gives a
-candidate, and estimates confirm it: the candidate fits and the next size does not (one sample
-more up to 32, then the next multiple of 8: the sizes GPUs prefer, and fewer estimates). The
-asked batch is estimated as it is (the table's row), so the answer also says whether it fits,
-and it is the line's first point. The second is a guess near the answer (first_guess: the
-activations and temporaries at the asked row's peak, per sample, say how far the capacity is),
-not one sample: the line through two points near the boundary lands on it, so one estimate
-each side of it settles the answer, usually two estimates after the asked row. Every estimate
-is kept (cache.py): the stack's and a later run's searches reuse what was estimated before.
+A step at micro-batches of m samples makes the same allocations as at m', each of bytes on a
+line in the size (sizes.py), so search() runs the script at two sizes (the asked batch's row of
+the table, and four times a guess at the answer: first_guess, from the activations and
+temporaries at the asked row's peak per sample), writes the trace of any size from the line and
+bisects on replays of it; the answer and the next size up (one sample more up to 32, then the
+next multiple of 8: the sizes GPUs prefer) are then estimated, and must be the traces written.
+A later search whose answer lies between sizes run, on a line a run has checked, needs no run.
+Where the runs make no line (a choice by the size), search_by_estimates estimates every size
+tried: a line through two estimates gives a candidate, and estimates confirm it. Every run and
+the sizes run are kept (cache.py): the stack's and a later question's searches reuse them.
 """
 import re
 import shutil

@@ -69,3 +69,15 @@ def test_the_estimate_prints_no_library_warning(tmp_path):
         printed = [line for line in (done.stdout + done.stderr).splitlines()
                    if LIBRARY_LINE.search(line)]
         assert not printed, "\n".join(printed)
+
+
+@pytest.mark.parametrize("script", sorted(path.name for path in ROOT.glob("[01][0-9]*.py")
+                                          if "from bitsandbytes" in path.read_text()))
+def test_a_script_that_imports_bitsandbytes_prints_no_library_warning(script):
+    """bitsandbytes logs its optional kernel's absence as it is imported (on a CPU with AVX-512
+    BF16): each script imports `common` first, which silences it."""
+    done = subprocess.run([sys.executable, script, "--help"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    printed = [line for line in (done.stdout + done.stderr).splitlines() if LIBRARY_LINE.search(line)]
+    assert not printed, "\n".join(printed)
