@@ -243,35 +243,36 @@ def table_main(argv):
                               lambda script: step_of(script).accum_steps > 1)
             chain, answer = the_stack(args, flags)
     records = [record for record, _, _ in outcomes if record]
+    saved = save_records(args.results_dir, records) if records else None  # --quiet too
+    failures = [f"{row.label}: {problem}" for row, (_, problem, _) in zip(rows, outcomes)
+                if problem]
+    status = 1 if failures else 0
+    if args.quiet:  # the answer alone; a row that failed still says so, on standard error
+        print(answer if args.gpu_memory is not None else table(rows, outcomes, not_estimated))
+        for failure in failures:
+            print(f"note: {failure}", file=sys.stderr)
+        return status
     if args.gpu_memory is not None:  # the answer first, then what it rests on
         print(answer)
-        if args.quiet:
-            return 1 if any(problem for _, problem, _ in outcomes) else 0
         print("\n" + fit_table(fits, args.gpu_memory))
         notes += [f"{fit.script}: {fit.problem or fit.not_searched}" for fit in fits
                   if fit.problem or fit.not_searched]
         notes += [f"{fit.script}: every size its search tried was estimated ({fit.not_by_sizes})"
                   for fit in fits if fit.not_by_sizes and not fit.problem]
-    elif args.quiet:
-        print(table(rows, outcomes, not_estimated))
-        return 1 if any(problem for _, problem, _ in outcomes) else 0
     print("\n" + table(rows, outcomes, not_estimated))
     print(f"\n{PER_PARAMETER_NOTE} On a GPU: its own bytes, without what 08-09 offload.")
     if args.gpu_memory is not None:
         print("\n" + chain)
-    for row, (_, problem, _) in zip(rows, outcomes):
-        if problem:
-            notes.append(f"{row.label}: {problem}")
     print()
-    for note in notes:
+    for note in [*notes, *failures]:
         print(f"note: {note}")
-    if records:
-        print(f"records: {save_records(args.results_dir, records)}")
+    if saved:
+        print(f"records: {saved}")
     cpu_seconds, own, workers = resources_used()
     print(f"wall time {time.perf_counter() - start:.1f} s (CPU {cpu_seconds:.1f} s, "
           f"{args.jobs} at a time); peak memory (RSS) {own:.2f} GB in this process"
           + (f", {workers:.2f} GB in the largest worker" if workers else ""))
-    return 1 if any(problem for _, problem, _ in outcomes) else 0
+    return status
 
 
 @contextmanager

@@ -268,8 +268,10 @@ def test_the_answer_comes_first_and_quiet_prints_it_alone(tmp_path, capsys, monk
     assert main(flags) == 0
     loud = capsys.readouterr().out
     assert loud.index("The stack:") < loud.index("| script |")
+    (tmp_path / "estimate.json").unlink()
     assert main([*flags, "--quiet"]) == 0
     quiet = capsys.readouterr().out.strip().splitlines()
+    assert (tmp_path / "estimate.json").exists()  # the records are written all the same
     assert quiet[0].startswith("The stack: bf16 fits batch 64")
     assert quiet[1].strip().startswith("python 10_combined.py --preset tiny --batch-size 64")
     assert len(quiet) == 3 and quiet[2].startswith("with adapters")
