@@ -18,7 +18,7 @@ class EstimateError(Exception):
 
 
 # name -> (module it comes from, what --estimate runs instead, and why); the stand-ins
-# (fake_run.stand_ins) are exactly these, and only these are replaced
+# (estimate/stand_ins.py) are exactly these, and only these are replaced
 REQUIRED = {
     "load_data": ("common.data", "batches of the preset's shapes, made when asked for: "
                   "no data set is read or downloaded"),

@@ -6,7 +6,7 @@ here, explicitly, as PyTorch 2.13 (the version pinned here) makes it on an A100:
 
 - Host and device: on a CPU they are one memory; on a GPU, batches and a model built on the
   host take GPU memory only once `.to(device)` copies them. The fake run keeps the host side on
-  the meta device (fake_run.py), so those copies happen and are counted.
+  the meta device (stand_ins.py), so those copies happen and are counted.
 - Attention kernel, by dtype and GPU (`--gpu`, A100 by default): on compute capability 8.0 and
   later (A100, H100) float16/bfloat16 run flash attention, float32 runs the memory-efficient
   kernel (the first candidates of scaled_dot_product_attention). Below 8.0 (V100, T4) there is
