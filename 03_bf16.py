@@ -72,6 +72,9 @@ def main(argv=None):
     if args.estimate:  # predict instead: this script's main() on fake tensors (estimate/)
         from estimate import estimate
         return estimate(__file__, argv)
+    if args.check_estimate:  # and predict it beside the run, on a GPU (estimate/check.py)
+        from estimate.check import check_estimate
+        args.estimate_check = check_estimate(__file__, argv, args.device)
     return train(args, args.device)
 
 

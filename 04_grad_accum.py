@@ -14,7 +14,7 @@ import torch
 
 # --estimate runs main() on fake tensors with stand-ins for these names (no data, no download):
 # keep importing them by name. The list and the reasons: estimate/contract.py.
-from common.cli import parse_args
+from common.cli import parse_args, positive_int  # gradient accumulation: for its flag
 from common.data import load_data, split_batch, to_device
 from common.evaluate import evaluate
 from common.memory import MemoryMeter, measure_creation
@@ -79,11 +79,19 @@ def train(args, device):
     return report(args, __file__, creation, meter, progress, test_score)
 
 
+def own_flags(parser):  # gradient accumulation: this script's flag, beside common/cli.py's
+    parser.add_argument("--accum-steps", type=positive_int, default=4,
+                        help="micro-batches per optimizer step (default: 4)")
+
+
 def main(argv=None):
-    args = parse_args(__doc__, argv, accum_steps=4)  # gradient accumulation: --accum-steps
+    args = parse_args(__doc__, argv, flags=own_flags)  # gradient accumulation: its flag
     if args.estimate:  # predict instead: this script's main() on fake tensors (estimate/)
         from estimate import estimate
         return estimate(__file__, argv)
+    if args.check_estimate:  # and predict it beside the run, on a GPU (estimate/check.py)
+        from estimate.check import check_estimate
+        args.estimate_check = check_estimate(__file__, argv, args.device)
     return train(args, args.device)
 
 

@@ -14,7 +14,7 @@ import torch
 
 # --estimate runs main() on fake tensors with stand-ins for these names (no data, no download):
 # keep importing them by name. The list and the reasons: estimate/contract.py.
-from common.cli import parse_args
+from common.cli import parse_args, refused  # optimizer in backward: refused, for a flag
 from common.data import load_data, to_device
 from common.evaluate import evaluate
 from common.memory import MemoryMeter, measure_creation
@@ -75,13 +75,20 @@ def train(args, device):
     return report(args, __file__, creation, meter, progress, test_score)
 
 
-def main(argv=None):
-    args = parse_args(__doc__, argv, no_accumulation=(  # optimizer in backward: no micro-batches
+def own_flags(parser):  # optimizer in backward: --accum-steps refused, beside common/cli.py's flags
+    parser.add_argument("--accum-steps", action=refused(
         "04a steps each weight during backward, so it cannot accumulate gradients over "
         "micro-batches; for --accum-steps use 04_grad_accum.py"))
+
+
+def main(argv=None):
+    args = parse_args(__doc__, argv, flags=own_flags)  # optimizer in backward: no micro-batches
     if args.estimate:  # predict instead: this script's main() on fake tensors (estimate/)
         from estimate import estimate
         return estimate(__file__, argv)
+    if args.check_estimate:  # and predict it beside the run, on a GPU (estimate/check.py)
+        from estimate.check import check_estimate
+        args.estimate_check = check_estimate(__file__, argv, args.device)
     return train(args, args.device)
 
 

@@ -15,7 +15,7 @@ from torch.utils.checkpoint import checkpoint
 
 # --estimate runs main() on fake tensors with stand-ins for these names (no data, no download):
 # keep importing them by name. The list and the reasons: estimate/contract.py.
-from common.cli import parse_args
+from common.cli import parse_args, positive_int  # gradient accumulation: for its flag
 from common.data import IGNORED, load_data, split_batch, to_device  # chunked loss: IGNORED
 from common.evaluate import evaluate
 from common.memory import MemoryMeter, measure_creation
@@ -103,12 +103,20 @@ def train(args, device):
     return report(args, __file__, creation, meter, progress, test_score)
 
 
+def own_flags(parser):  # gradient accumulation: this script's flag, beside common/cli.py's
+    parser.add_argument("--accum-steps", type=positive_int, default=4,
+                        help="micro-batches per optimizer step (default: 4)")
+
+
 def main(argv=None):
     args = parse_args(__doc__, argv, task="causal-lm",  # chunked loss: its only task
-                      accum_steps=4)  # gradient accumulation: --accum-steps
+                      flags=own_flags)  # gradient accumulation: its flag
     if args.estimate:  # predict instead: this script's main() on fake tensors (estimate/)
         from estimate import estimate
         return estimate(__file__, argv)
+    if args.check_estimate:  # and predict it beside the run, on a GPU (estimate/check.py)
+        from estimate.check import check_estimate
+        args.estimate_check = check_estimate(__file__, argv, args.device)
     return train(args, args.device)
 
 

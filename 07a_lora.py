@@ -18,7 +18,8 @@ from transformers.pytorch_utils import Conv1D  # LoRA: GPT-2's linear layers, we
 
 # --estimate runs main() on fake tensors with stand-ins for these names (no data, no download):
 # keep importing them by name. The list and the reasons: estimate/contract.py.
-from common.cli import parse_args
+from common.cli import parse_args, positive_int  # gradient accumulation: for its flag
+from common.cli import positive_float  # LoRA: for its flag
 from common.data import load_data, split_batch, to_device
 from common.evaluate import evaluate
 from common.memory import MemoryMeter, measure_creation
@@ -137,11 +138,26 @@ def train(args, device):
     return report(args, __file__, creation, meter, progress, test_score)
 
 
+def own_flags(parser):  # gradient accumulation: this script's flag, beside common/cli.py's
+    parser.add_argument("--accum-steps", type=positive_int, default=4,
+                        help="micro-batches per optimizer step (default: 4)")
+    parser.add_argument("--lora-rank", type=positive_int, default=8,  # LoRA: its flags
+                        help="the adapters' rank r (default: 8)")
+    parser.add_argument("--lora-alpha", type=positive_float, default=16.0,
+                        help="the adapters' scale is alpha / r (default: 16)")
+    parser.add_argument("--lora-targets", nargs="+", metavar="NAME",
+                        help="adapt only the linear layers of these names (query value; "
+                             "q_proj v_proj); default: every linear layer of the blocks")
+
+
 def main(argv=None):
-    args = parse_args(__doc__, argv, accum_steps=4, lora=True)  # LoRA, gradient accumulation: flags
+    args = parse_args(__doc__, argv, flags=own_flags)  # gradient accumulation: its flag
     if args.estimate:  # predict instead: this script's main() on fake tensors (estimate/)
         from estimate import estimate
         return estimate(__file__, argv)
+    if args.check_estimate:  # and predict it beside the run, on a GPU (estimate/check.py)
+        from estimate.check import check_estimate
+        args.estimate_check = check_estimate(__file__, argv, args.device)
     return train(args, args.device)
 
 

@@ -19,7 +19,8 @@ from torch.utils.checkpoint import checkpoint
 
 # --estimate runs main() on fake tensors with stand-ins for these names (no data, no download):
 # keep importing them by name. The list and the reasons: estimate/contract.py.
-from common.cli import check_batch_split, parse_args
+from common.cli import add_shared_flags, check_batch_split, true_or_false  # FSDP: batch split, flags
+from common.cli import parse_args, positive_int  # gradient accumulation: for its flag
 from common.data import load_data, split_batch, to_device
 from common.distributed import end_distributed, init_distributed
 from common.evaluate import evaluate
@@ -118,11 +119,26 @@ def train(args, device):
     return report(args, __file__, creation, meter, progress, test_score)
 
 
+def own_flags(parser):  # gradient accumulation: this script's flag, beside common/cli.py's
+    parser.add_argument("--accum-steps", type=positive_int, default=4,
+                        help="micro-batches per optimizer step (default: 4)")
+    parser.add_argument("--reshard-after-forward", type=true_or_false, default=True,  # FSDP: ZeRO-3 or 2
+                        metavar="{true,false}",
+                        help="true (default, ZeRO-3): each block's gathered weights are freed "
+                             "after its forward and gathered again in backward; false "
+                             "(ZeRO-2's memory): kept from forward to backward, one gather")
+    add_shared_flags(parser, ["--world-size"],  # FSDP: the processes --estimate assumes
+                     {"--world-size": (None, "WORLD_SIZE, or 1")})
+
+
 def main(argv=None):
-    args = parse_args(__doc__, argv, accum_steps=4, sharded=True)  # FSDP, gradient accumulation
+    args = parse_args(__doc__, argv, flags=own_flags)  # gradient accumulation: its flag
     if args.estimate:  # predict instead: this script's main() on fake tensors (estimate/)
         from estimate import estimate
         return estimate(__file__, argv)
+    if args.check_estimate:  # and predict it beside the run, on a GPU (estimate/check.py)
+        from estimate.check import check_estimate
+        args.estimate_check = check_estimate(__file__, argv, args.device)
     _, world_size, device = init_distributed(args.device)  # FSDP: one process per device
     try:  # release the group's connections (NCCL communicators) also on error
         check_batch_split(args, world_size)  # equal micro-batches on every process

@@ -633,6 +633,8 @@ def train(args, device):
 
 def switches(parser):
     """The switches of 10, each off by default (the run is then 03's, created as 06 creates it)."""
+    parser.add_argument("--accum-steps", type=positive_int, default=1,
+                        help="micro-batches per optimizer step (default: 1; 04)")
     parser.add_argument("--precision", choices=PRECISIONS, default="bf16",
                         help="fp32 (01), mixed: float16 autocast and a loss scaler (02), "
                              "bf16: the whole model in bfloat16 (03, default)")
@@ -771,7 +773,7 @@ def refusal(args):
 
 
 def main(argv=None):
-    args = parse_args(__doc__, argv, accum_steps=1, flags=switches)  # --accum-steps 1, the switches
+    args = parse_args(__doc__, argv, flags=switches)  # the switches, --accum-steps 1 by default
     problem = refusal(args)
     if problem:
         raise SystemExit(f"error: {problem}")
@@ -784,6 +786,9 @@ def main(argv=None):
     if args.estimate:  # predict instead: this script's main() on fake tensors (estimate/)
         from estimate import estimate
         return estimate(__file__, argv)
+    if args.check_estimate:  # and predict it beside the run, on a GPU (estimate/check.py)
+        from estimate.check import check_estimate
+        args.estimate_check = check_estimate(__file__, argv, args.device)
     if not launched_sharded(args):
         return train(args, args.device)
     _, world_size, device = init_distributed(args.device)  # FSDP: one process per device

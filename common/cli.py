@@ -147,28 +147,36 @@ def add_shared_flags(parser, names, defaults=None):
         parser.add_argument(name, **options)
 
 
-def parse_args(description, argv=None, accum_steps=None, sharded=False, no_accumulation=None,
-               lora=False, task=None, flags=None):
-    """Parse the shared flags; `accum_steps` (from step 04 on) adds --accum-steps with that
-    default, `sharded` (07 on) --reshard-after-forward, `lora` (07a) --lora-rank, --lora-alpha
-    and --lora-targets; `no_accumulation`, the reason a script refuses --accum-steps (04a),
-    turns that flag into an error saying so; `task`, the only task a script trains (05g:
-    causal-lm), is --task's default, and any other is refused; `flags`, a function given the
-    parser, declares a script's own flags (10_combined.py's switches).
+def refused(reason):
+    """An argparse action for a flag a script refuses (04a's --accum-steps): using it stops the
+    parse with `reason`, which --help shows too."""
+    class Refused(argparse.Action):
+        def __init__(self, option_strings, dest, **kwargs):
+            kwargs.setdefault("help", f"refused: {reason}")
+            super().__init__(option_strings, dest, **kwargs)
+
+        def __call__(self, parser, namespace, values, option_string=None):
+            parser.error(reason)
+    return Refused
+
+
+def parse_args(description, argv=None, task=None, flags=None):
+    """Parse the flags every script shares; `flags`, a function given the parser, declares the
+    script's own (its technique's: 04's --accum-steps, 07's --reshard-after-forward, 07a's
+    --lora-*, 10's switches), so a script's diff and a copy of it carry them; `task`, the only
+    task a script trains (05g: causal-lm), is --task's default, and any other is refused.
 
     The preset the run trains (with --model's model in place of its own, when given) is
-    resolved here once and travels on `args` (`preset_for(args)` returns it).
-
-    Preset defaults fill --epochs and --batch-size; --lr stays None unless given, so each script
-    picks its optimizer's default from the preset.
+    resolved here once and travels on `args` (`preset_for(args)` returns it). Preset defaults
+    fill --epochs and --batch-size; --lr stays None unless given, so each script picks its
+    optimizer's default from the preset. A script without --accum-steps runs one micro-batch a
+    step (`args.accum_steps` is 1); with it, the batch must split into equal micro-batches.
     """
     parser = argparse.ArgumentParser(description=description,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add_shared_flags(parser, SCRIPT_FLAGS, {
         "--preset": (None, "tiny; tiny-text under --task causal-lm, or for a --model of text"),
         "--task": (task or "classification", task or "classification")})
-    if sharded:
-        add_shared_flags(parser, ["--world-size"], {"--world-size": (None, "WORLD_SIZE, or 1")})
     parser.add_argument("--lr", type=positive_float, help="learning rate (default: the preset's)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
@@ -188,25 +196,6 @@ def parse_args(description, argv=None, accum_steps=None, sharded=False, no_accum
     parser.add_argument("--memory-snapshot", metavar="FILE",
                         help="on a GPU, write PyTorch's memory snapshot of the tracked steps to "
                              "FILE (a pickle for https://pytorch.org/memory_viz)")
-    if accum_steps is not None:
-        parser.add_argument("--accum-steps", type=positive_int, default=accum_steps,
-                            help=f"micro-batches per optimizer step (default: {accum_steps})")
-    elif no_accumulation:
-        parser.add_argument("--accum-steps", type=positive_int, help=f"refused: {no_accumulation}")
-    if sharded:
-        parser.add_argument("--reshard-after-forward", type=true_or_false, default=True,
-                            metavar="{true,false}",
-                            help="true (default, ZeRO-3): each block's gathered weights are freed "
-                                 "after its forward and gathered again in backward; false "
-                                 "(ZeRO-2's memory): kept from forward to backward, one gather")
-    if lora:
-        parser.add_argument("--lora-rank", type=positive_int, default=8,
-                            help="the adapters' rank r (default: 8)")
-        parser.add_argument("--lora-alpha", type=positive_float, default=16.0,
-                            help="the adapters' scale is alpha / r (default: 16)")
-        parser.add_argument("--lora-targets", nargs="+", metavar="NAME",
-                            help="adapt only the linear layers of these names (query value; "
-                                 "q_proj v_proj); default: every linear layer of the blocks")
     if flags is not None:
         flags(parser)
     args = parser.parse_args(argv)
@@ -238,9 +227,7 @@ def parse_args(description, argv=None, accum_steps=None, sharded=False, no_accum
     args.preset_settings = preset  # preset_for(args): the preset, resolved once
     args.epochs = args.epochs or preset.epochs
     args.batch_size = args.batch_size or preset.batch_size
-    if no_accumulation and args.accum_steps is not None:
-        parser.error(no_accumulation)
-    if accum_steps is None:
+    if getattr(args, "accum_steps", None) is None:  # a script without micro-batches
         args.accum_steps = 1
     elif args.batch_size % args.accum_steps:
         parser.error(f"--batch-size {args.batch_size} is not divisible by --accum-steps "
@@ -257,7 +244,7 @@ def parse_args(description, argv=None, accum_steps=None, sharded=False, no_accum
                      "predict GPU memory without a GPU")
     args.device = torch.device(args.device)
     if args.check_estimate:
-        check_estimate(parser, args, Path(sys._getframe(1).f_code.co_filename), argv)
+        check_estimate_flag(parser, args)  # the script's main() starts it (estimate/check.py)
     if args.compile and not args.estimate:  # the estimate generates no kernels (compiled.py)
         if importlib.util.find_spec("common.compiled_memory") is None:
             parser.error("--compile needs common/compiled_memory.py (how a compiled model's memory "
@@ -269,9 +256,9 @@ def parse_args(description, argv=None, accum_steps=None, sharded=False, no_accum
     return args
 
 
-def check_estimate(parser, args, script, argv):
-    """--check-estimate: on a GPU, start the estimate of this run (process 0 alone); stops with
-    a message where there is nothing to check."""
+def check_estimate_flag(parser, args):
+    """--check-estimate: stops with a message where there is nothing to check (on a GPU, the
+    script's main() then starts the estimate beside the run: estimate/check.py)."""
     if args.estimate:
         parser.error("--check-estimate checks a training run against its estimate, and --estimate "
                      "only estimates: leave one of them out")
@@ -287,11 +274,6 @@ def check_estimate(parser, args, script, argv):
     if importlib.util.find_spec("estimate") is None:
         parser.error("--check-estimate needs the estimator, the folder estimate/, which this copy "
                      "lacks: copy it beside common/, or leave --check-estimate out")
-    args.estimate_check = None
-    if int(os.environ.get("RANK", 0)) == 0:
-        from common.estimate_check import EstimateCheck
-        args.estimate_check = EstimateCheck(script, sys.argv[1:] if argv is None else argv,
-                                            args.device, int(os.environ.get("WORLD_SIZE", 1)))
 
 
 def check_snapshot(parser, args):

@@ -37,7 +37,7 @@ from torch._C._profiler import RecordScope, _EventType
 from torch.distributed._tools.common_utils import get_untyped_storages
 from torch.profiler import ProfilerActivity, _utils, profile
 
-from common.memory import quantization_tensors
+from common.model import quantization_tensors
 
 # the profiler's record_function names whose allocations go to a category (the nearest wins),
 # as MemTracker's and FSDPMemTracker's names, which memory.py folds into the five it reports

@@ -120,23 +120,13 @@ class FrozenWeightsMemTracker(OverallPeakOnly, MemTracker):
     beside the weight, not as parameters) are counted with the parameters."""
 
     def _track_module_params_and_buffers(self, module, install_grad_hooks=True):
+        from common.model import quantization_tensors  # (the script has imported it)
         for parameter in module.parameters():
             if not parameter.requires_grad:
                 self._param_to_grad_hook_handles.setdefault(parameter, (NoHook(), NoHook()))
             for scale in quantization_tensors(parameter):
                 self._update_and_maybe_create_winfos(scale, _MemRefType.PARAM)
         return super()._track_module_params_and_buffers(module, install_grad_hooks)
-
-
-def quantization_tensors(parameter):
-    """The tensors a 4-bit parameter's quantization state holds (scales, their own scales, the
-    code tables), or none for any other parameter."""
-    state = getattr(parameter, "quant_state", None)
-    tensors = []
-    while state is not None:
-        tensors += [value for value in vars(state).values() if torch.is_tensor(value)]
-        state = getattr(state, "state2", None)
-    return tensors
 
 
 def memory_tracker(model, optimizer):

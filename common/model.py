@@ -241,3 +241,14 @@ def fill_shards(model, preset, device):
         else:
             tensor.copy_(full)
         del full  # one whole parameter at a time
+
+
+def quantization_tensors(parameter):
+    """The tensors a 4-bit parameter's quantization state holds (scales, their own scales, the
+    code tables), or none for any other parameter."""
+    state = getattr(parameter, "quant_state", None)
+    tensors = []
+    while state is not None:
+        tensors += [value for value in vars(state).values() if torch.is_tensor(value)]
+        state = getattr(state, "state2", None)
+    return tensors

@@ -5,7 +5,7 @@ import importlib.util
 import pytest
 
 from common.cli import parse_args
-from conftest import ROOT
+from conftest import ROOT, load_script
 from estimate.published import STUDY_RESERVED_GB
 from steps import STEPS
 
@@ -70,8 +70,7 @@ def test_every_row_runs_a_script_with_flags_it_takes(tmp_path):
         step = STEPS[words[0].split("_")[0]]
         assert step.path.name == words[0]
         args = parse_args("", [*words[1:], "--device", "cpu", "--results-dir", str(tmp_path)],
-                          accum_steps=step.accum_steps if step.accum_steps > 1 else None,
-                          sharded=step.sharded)
+                          flags=getattr(load_script(step.id), "own_flags", None))
         assert (args.batch_size, args.estimate) == (row.batch_size, True)
 
 

@@ -163,7 +163,7 @@ def test_the_allocators_count_starts_with_the_4bit_scales():
     """07b compiled: the state a step starts with holds each 4-bit weight's scales and code
     tables beside the packed weight, as MemTracker's count of an eager run does."""
     from common.compiled_memory import AllocationTracker
-    from common.memory import quantization_tensors
+    from common.model import quantization_tensors
     layer = load_script("07b").in_four_bits(torch.nn.Linear(128, 64, dtype=torch.bfloat16))
     held = AllocationTracker(layer, torch.optim.SGD([layer.bias])).state_at_start()
     scales = quantization_tensors(layer.weight)

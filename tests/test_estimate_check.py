@@ -1,11 +1,13 @@
 """--check-estimate: a GPU run's prediction, made beside it in a subprocess. What a CPU can check:
 the flags handed to the estimate, the fields it records from the estimate's own record, and the
 refusals; the GPU's side is tests/test_cuda.py's."""
+from pathlib import Path
+
 import pytest
 import torch
 
-from common.estimate_check import EstimateCheck, estimate_argv
 from conftest import QUICK, run_script, script_path
+from estimate.check import EstimateCheck, check_estimate, estimate_argv
 from estimate.predict import predict
 
 
@@ -54,7 +56,7 @@ def test_check_estimate_where_there_is_nothing_to_check_stops_with_what_to_do(fl
 def test_under_torchrun_the_estimate_is_told_the_world_size_and_nothing_of_the_launcher(monkeypatch):
     """10 shards when WORLD_SIZE is set, 07-09 read it: the estimate gets it, and not the
     launcher's rendezvous (it joins no group); abbreviated flags of the run are dropped too."""
-    import common.estimate_check
+    import estimate.check
     started = {}
 
     class Started:
@@ -64,14 +66,30 @@ def test_under_torchrun_the_estimate_is_told_the_world_size_and_nothing_of_the_l
         def poll(self):
             return 0
 
-    monkeypatch.setattr(common.estimate_check.subprocess, "Popen", Started)
+    monkeypatch.setattr(estimate.check.subprocess, "Popen", Started)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100")
     for name, value in {"RANK": "0", "WORLD_SIZE": "4", "MASTER_PORT": "29500"}.items():
         monkeypatch.setenv(name, value)
-    EstimateCheck(script_path("10"), ["--offload", "--memory-snap", "s.pickle"],
-                  torch.device("cuda"), 4).stop()
+    check_estimate(script_path("10"), ["--offload", "--memory-snap", "s.pickle"],
+                   torch.device("cuda")).stop()
     assert started["env"]["WORLD_SIZE"] == "4"
     assert "RANK" not in started["env"] and "MASTER_PORT" not in started["env"]
     assert started["command"][2:] == ["--offload", "--estimate", "--gpu", "a100", "--results-dir",
                                       started["command"][-1]]
+    monkeypatch.setenv("RANK", "1")  # the other processes start none
+    assert check_estimate(script_path("10"), [], torch.device("cuda")) is None
+
+
+@pytest.mark.parametrize("step", ["01", "07", "10"])
+def test_the_scripts_main_starts_the_check_after_its_flags(step, monkeypatch, tmp_path):
+    """main() starts it, as it starts --estimate (nothing in common/ imports estimate/); here on
+    the CPU, with the flag's GPU check and the subprocess stood aside."""
+    import common.cli
+    import estimate.check
+    started = []
+    monkeypatch.setattr(common.cli, "check_estimate_flag", lambda parser, args: None)
+    monkeypatch.setattr(estimate.check, "check_estimate",
+                        lambda script, argv, device: started.append(script))
+    run_script(step, [*QUICK, "--check-estimate"], tmp_path)
+    assert [Path(script).name for script in started] == [script_path(step).name]

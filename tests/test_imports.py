@@ -17,7 +17,7 @@ def module_name(path):
 
 # packages whose modules' imports inside functions count too: a module that imports another
 # only when called still needs it, and the estimator's jobs stay one a module, none calling back
-EVERY_IMPORT = ("estimate",)
+EVERY_IMPORT = ("estimate", "common")
 
 
 def imports_at_the_top(path, modules):
@@ -71,6 +71,14 @@ def cycle(edges):
 
 def test_no_module_imports_itself_through_others():
     assert cycle(graph()) is None
+
+
+def test_nothing_in_common_imports_the_estimator():
+    """A script's copy needs common/ alone: --estimate and --check-estimate start from the
+    script's main(), not from common/."""
+    assert {name: sorted(other for other in imported if other.startswith("estimate"))
+            for name, imported in graph().items()
+            if name.startswith("common") and any(other.startswith("estimate") for other in imported)} == {}
 
 
 def test_the_check_finds_a_circle():

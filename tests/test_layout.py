@@ -15,7 +15,7 @@ import tokenize
 
 import pytest
 
-from conftest import QUICK, ROOT, script_path
+from conftest import QUICK, ROOT, load_script, script_path
 from steps import STEPS, scripts, step_id
 
 # the tag each step puts on the lines it adds (steps.py; also listed in the README)
@@ -270,3 +270,71 @@ def test_the_quick_subset_has_a_test_of_each_claim_it_names():
             assert any(test.startswith(start) for test in collected), f"{claim}: {start}"
     assert all(any(test.startswith(start) for starts in QUICK_SUBSET.values() for start in starts)
                for test in collected)
+
+
+# The places that repeat a step's facts from steps.py, checked against it (a technique is
+# written in three places: its script, its steps.py entry, its block in 10_combined.py)
+
+def switch_pairs(words):
+    """[(flag, value)] of a list of switches (steps.py's Step.switches): True for a flag alone."""
+    pairs = []
+    for index, word in enumerate(words):
+        if word.startswith("--"):
+            following = words[index + 1] if index + 1 < len(words) else "--"
+            pairs.append((word, True if following.startswith("--") else following))
+    return pairs
+
+
+def markdown_rows(text, header):
+    """The cells of each row of the table whose header line starts with `header`."""
+    table = text.split(header, 1)[1].split("\n\n", 1)[0].splitlines()[2:]
+    return [[cell.strip() for cell in line.strip().strip("|").replace("\\|", "\0").split("|")]
+            for line in table]
+
+
+def test_the_readmes_table_of_steps_agrees_with_steps_py():
+    found = {}
+    for cells in markdown_rows((ROOT / "README.md").read_text(), "| step (parent) |"):
+        step, _, parent = cells[0].partition(" (")
+        found[step.split()[0]] = (parent.rstrip(")") or None, cells[2].strip("`").removeprefix("# ") or None)
+    expected = {step.id: (step.parent, step.tag) for step in STEPS.values() if not step.combined}
+    assert found == expected, "README's table of steps: step: (parent, tag) differ from steps.py"
+
+
+def test_the_combined_chapters_tables_agree_with_steps_py():
+    chapter = (ROOT / "docs" / "combined.md").read_text()
+    by_script = {cells[0]: cells[1] for cells in markdown_rows(chapter, "| script | switches |")}
+    expected = {step.name: " ".join([*step.switches, *(["--task", step.task] if step.task else [])])
+                for step in STEPS.values() if not step.combined}
+    assert {name: switches.strip("`") if switches != "(none)" else ""
+            for name, switches in by_script.items()} == expected, \
+        "docs/combined.md's switches of each script differ from steps.py's"
+    # each switch a step adds to its parent's is in the row of that switch, naming the step
+    origin = {cells[0]: cells[2] for cells in markdown_rows(chapter, "| switch | what it does |")}
+    for step in STEPS.values():
+        parent = STEPS[step.parent].switches if step.parent else ()
+        for flag, value in set(switch_pairs(step.switches)) - set(switch_pairs(parent)):
+            [row] = [row for row in origin if row.strip("`").split()[0] == flag]
+            assert step.id in origin[row], f"docs/combined.md: the row of {flag} does not name {step.id}"
+
+
+def test_a_techniques_flags_are_declared_in_its_script_not_in_common(tmp_path):
+    """04's --accum-steps, 07's --reshard-after-forward, 07a's --lora-*, 05k's --memory-budget:
+    each in its script's own_flags (10's in its switches), so a diff shows the flag and a copy
+    carries it; common/cli.py's parser holds only the flags every script shares."""
+    import argparse
+
+    from common.cli import parse_args
+    common = set()  # what common/cli.py declared before a script's own flags
+    parse_args("", ["--results-dir", str(tmp_path)],
+               flags=lambda parser: common.update(parser._option_string_actions))
+    declared = {}
+    for step in STEPS.values():
+        own = argparse.ArgumentParser(add_help=False)
+        getattr(load_script(step.id), "switches" if step.combined else "own_flags",
+                lambda parser: None)(own)  # (01-03, 04b: none of their own)
+        declared[step.id] = set(own._option_string_actions)
+    assert "--accum-steps" in declared["04"] and "--reshard-after-forward" in declared["07"]
+    assert {"--lora-rank", "--lora-alpha", "--lora-targets"} <= declared["07a"]
+    assert "--memory-budget" in declared["05k"]
+    assert {step: flags & common for step, flags in declared.items() if flags & common} == {}

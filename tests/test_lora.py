@@ -126,7 +126,7 @@ def test_qlora_stores_the_adapted_layers_in_half_a_byte_per_weight(trained):
     """07b's parameters take 1.5 bytes less per quantized weight than 07a's (2 bytes of bfloat16
     against 4 bits), plus the scales bitsandbytes keeps beside them (about 1/64 byte per weight);
     the rest alike; the same parameters, as many trained."""
-    from common.memory import quantization_tensors
+    from common.model import quantization_tensors
     _, meter, _ = trained["07b"]
     quantized = quantized_weights(meter.model)
     assert quantized == sum(adapter.down.weight.shape[1] * adapter.up.weight.shape[0]

@@ -12,7 +12,8 @@ import torch
 from bitsandbytes import functional
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
-from common.memory import FrozenWeightsMemTracker, quantization_tensors
+from common.memory import FrozenWeightsMemTracker
+from common.model import quantization_tensors
 from conftest import load_script
 from estimate.fake_4bit import fused_on_gpu, stand_ins
 from estimate.fake_tensor_patches import swappable_fake_parameters

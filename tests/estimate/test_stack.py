@@ -1,4 +1,5 @@
 """The stack: the first prefix of estimate/stack.py's chain of 10_combined.py's switches that fits."""
+import argparse
 import os
 import shlex
 from unittest import mock
@@ -33,7 +34,7 @@ def parsed(combined, words, world_size=1):
     with mock.patch.dict(os.environ, env):
         if world_size == 1:
             os.environ.pop("WORLD_SIZE", None)
-        args = combined.parse_args(combined.__doc__, words[len(launch):], accum_steps=1,
+        args = combined.parse_args(combined.__doc__, words[len(launch):],
                                    flags=combined.switches)
         return args, combined.refusal(args)
 
@@ -275,3 +276,23 @@ def test_the_answer_comes_first_and_quiet_prints_it_alone(tmp_path, capsys, monk
     assert quiet[0].startswith("The stack: bf16 fits batch 64")
     assert quiet[1].strip().startswith("python 10_combined.py --preset tiny --batch-size 64")
     assert len(quiet) == 3 and quiet[2].startswith("with adapters")
+
+
+def test_each_link_sets_switches_of_10_that_a_script_trains_with(combined):
+    """The chain is the estimate's (its links are not one a step), but each switch it sets is
+    one 10_combined.py declares, with a value it takes, that some step's switch set (steps.py)
+    trains with; a switch it takes out is one of 10's."""
+    from test_layout import switch_pairs
+
+    from steps import STEPS
+    trained = {pair for step in STEPS.values() for pair in switch_pairs(step.switches)}
+    declared = argparse.ArgumentParser()
+    combined.switches(declared)
+    for link in stack.CHAIN:
+        for flag, value in link.sets:
+            assert flag in declared._option_string_actions, f"link {link.name!r}: 10 has no {flag}"
+            if value is not stack.REMOVE:
+                combined.parse_args("", [flag] if value is True else [flag, value],
+                                    flags=combined.switches)  # a value 10 takes
+                assert (flag, value) in trained, \
+                    f"link {link.name!r}: {flag} {value} is no step's switch (steps.py)"

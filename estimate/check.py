@@ -1,4 +1,5 @@
-"""--check-estimate: a GPU run predicted beside itself.
+"""--check-estimate: a GPU run predicted beside itself (a script's main() starts it, after its
+flags are checked, as it starts --estimate).
 
 While the run trains, a subprocess runs the same command with --estimate (estimate/) for the GPU
 model nearest to this one (an H200 is estimated as an H100, estimate/gpu_choices.py), for the
@@ -16,6 +17,8 @@ import tempfile
 from pathlib import Path
 
 import torch
+
+from estimate.gpu_choices import GPUS, nearest_gpu
 
 # a run's own flags that the estimate takes otherwise or not at all
 NOT_FOR_THE_ESTIMATE = {"--check-estimate": 0, "--device": 1, "--memory-snapshot": 1,
@@ -49,11 +52,19 @@ def estimate_argv(argv):
     return kept
 
 
+def check_estimate(script, argv, device):
+    """The EstimateCheck of this run, started now, on process 0 (torchrun's RANK; None on the
+    others); `argv`: the script's own flags (None: the command line's)."""
+    if int(os.environ.get("RANK", 0)) != 0:
+        return None
+    return EstimateCheck(script, sys.argv[1:] if argv is None else argv, device,
+                         int(os.environ.get("WORLD_SIZE", 1)))
+
+
 class EstimateCheck:
     """The estimate of this run, started now in a subprocess; `result()` waits for it."""
 
     def __init__(self, script, argv, device, world_size):
-        from estimate.gpu_choices import GPUS, nearest_gpu
         capability = torch.cuda.get_device_capability(device)
         self.gpu = nearest_gpu(capability)
         self.words = (f"{GPUS[self.gpu].name} emulated, for the {torch.cuda.get_device_name(device)}"
