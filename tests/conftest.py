@@ -102,12 +102,12 @@ def pytest_configure(config):
 
 # `pytest -m quick`: a test of each claim the README makes, within 3 minutes on 2 cores, for the
 # edit-and-test loop (the README's test command runs them all). Each claim names tests by the
-# start of their ids; tests/test_layout.py checks that each names one.
+# start of their ids; tests/repository/test_layout.py checks that each names one.
 QUICK_SUBSET = {
     "a step is its parent plus one technique, its lines tagged": (
-        "tests/test_layout.py::test_every_changed_block_opens_with_its_steps_tag[03-04]",
-        "tests/test_layout.py::test_the_readme_lists_every_tag",
-        "tests/test_branches.py::test_a_branch_starts_from_the_parent_of_its_step"),
+        "tests/repository/test_layout.py::test_every_changed_block_opens_with_its_steps_tag[03-04]",
+        "tests/repository/test_layout.py::test_the_readme_lists_every_tag",
+        "tests/test_registry.py::test_a_branch_starts_from_the_parent_of_its_step"),
     "each technique does what it says": (
         "tests/test_steps.py::test_accumulated_gradient_equals_the_whole_batch_gradient[tiny]",
         "tests/test_steps.py::test_sgd_keeps_no_state_and_cosine_ends_at_zero",
@@ -130,11 +130,11 @@ QUICK_SUBSET = {
     "language models: evaluation and the chunked loss": (
         "tests/test_causal_lm.py::test_evaluation_runs_a_piece_of_a_batch_at_a_time",),
     "a copied script needs only common/": (
-        "tests/test_layout.py::test_copying_a_script_lists_what_each_script_imports",),
+        "tests/repository/test_layout.py::test_copying_a_script_lists_what_each_script_imports",),
     "the tour's report": ("tests/tour/test_tour.py::test_report_table_rows_ratios_and_failures",),
     "the chapters' links and commands": (
-        "tests/test_docs.py::test_every_relative_link_resolves",
-        "tests/test_docs.py::test_the_readme_is_a_landing_page_that_links_every_chapter"),
+        "tests/repository/test_docs.py::test_every_relative_link_resolves",
+        "tests/repository/test_docs.py::test_the_readme_is_a_landing_page_that_links_every_chapter"),
     "no library warning a user cannot act on": (
         "tests/test_library_warnings.py::test_memtrackers_own_warnings_are_silenced_and_no_other",),
 }
@@ -206,7 +206,7 @@ def quick_records(quick_runs):
     return {name: record for name, (record, _) in quick_runs.items()}
 
 
-# Steps 07-09 under torchrun, through tests/fsdp_probe.py (tests/test_distributed.py says more):
+# Steps 07-09 under torchrun, through tests/support/fsdp_probe.py (tests/test_distributed.py says more):
 # 2 tracked steps and one more; whole batches (no micro-batches), so that the activations
 # checkpointing saves outweigh the few hundred KiB by which the collectives' buffers vary
 SHARDED_RUN = ["--epochs", "1", "--max-steps", "3", "--device", "cpu", "--accum-steps", "1"]
@@ -219,10 +219,10 @@ def assert_follows(actual, expected, preset_name="tiny", what="losses"):
     """`actual` (losses, or gradients) computed as `expected` was, in float32, but with its sums
     in another order (two processes, compiled kernels, another resharding): equal within what
     rounding of a forward and backward of the preset's model over one batch can produce, scaled
-    by the largest of the compared values (tests/rounding.py)."""
+    by the largest of the compared values (tests/support/rounding.py)."""
     from common.model import model_config
     from common.presets import PRESETS
-    from rounding import additions, assert_same_sum
+    from support.rounding import additions, assert_same_sum
     preset = PRESETS[preset_name]
     tokens = preset.max_length or (preset.image_size // preset.config["patch_size"]) ** 2 + 1
     expected, actual = torch.as_tensor(expected), torch.as_tensor(actual)
@@ -278,7 +278,7 @@ def probed_runs(tmp_path_factory):
         if key not in runs:
             out_dir = tmp_path_factory.mktemp(f"run{name}")
             command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                       f"--nproc_per_node={WORLD_SIZE}", "tests/fsdp_probe.py", out_dir, name,
+                       f"--nproc_per_node={WORLD_SIZE}", "tests/support/fsdp_probe.py", out_dir, name,
                        *SHARDED_RUN, *extra, "--results-dir", out_dir / "results"]
             code, output = run_to_end(command, timeout=timeout)
             assert code == 0, output
@@ -298,3 +298,31 @@ def one_process_fp32(name, results_dir, extra=()):
 def unsharded(tmp_path_factory):
     """06 in float32 as one process: the same step on one device, without sharding."""
     return one_process_fp32("06", tmp_path_factory.mktemp("run06"))
+
+
+@pytest.fixture(scope="session")
+def runs(tmp_path_factory):
+    """runs(name, flags, float32=False): the step's run, made once (per test worker)
+    and shared by the tests that only read it: (its record, its meter). float32: the script's
+    DTYPE made float32, so that runs that differ only in the order or timing of the work can be
+    compared closely."""
+    made = {}
+
+    def run(name, flags=QUICK, float32=False):
+        key = (name, tuple(flags), float32)
+        if key not in made:
+            module = load_script(name)
+            if float32:
+                module.DTYPE = torch.float32
+            made[key] = run_script(name, flags, tmp_path_factory.mktemp(name), module)
+        return made[key]
+    return run
+
+
+def assert_trains_as(branch, parent, runs):
+    """`branch` and `parent` run in float32 (only the order or the timing of the work differs):
+    the same losses and weights, within rounding."""
+    (ours, our_meter), (theirs, their_meter) = (runs(name, float32=True) for name in (branch, parent))
+    assert_follows(ours["losses"], theirs["losses"])
+    for mine, other in zip(our_meter.model.parameters(), their_meter.model.parameters(), strict=True):
+        assert_follows(mine.detach(), other.detach(), what="parameters")

@@ -14,11 +14,18 @@ import sys
 
 import pytest
 
-from architecture_matrix import ARCHITECTURES, REFUSED, TWO_PROCESSES, in_matrix, model_flags, write_model
 from conftest import QUICK, ROOT, run_script, run_to_end
 from estimate.predict import predict
 from steps import STEPS, step_id
 from steps import scripts as numbered_scripts
+from support.architecture_matrix import (
+    ARCHITECTURES,
+    REFUSED,
+    TWO_PROCESSES,
+    in_matrix,
+    model_flags,
+    write_model,
+)
 
 SCRIPTS = {step_id(script.name): script for script in numbered_scripts()}
 CLASSIFYING = [step for step in SCRIPTS if STEPS[step].trains("classification")]

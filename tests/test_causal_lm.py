@@ -13,12 +13,12 @@ import re
 import pytest
 import torch
 
-from architecture_matrix import SEQ_LEN, VOCABULARY, model_flags, write_model
 from common.data import split_batch
 from conftest import PROBED_TEST_TIMEOUT, QUICK, load_script, run_script
 from estimate.predict import predict
-from rounding import additions, assert_same_sum
 from steps import STEPS
+from support.architecture_matrix import SEQ_LEN, VOCABULARY, model_flags, write_model
+from support.rounding import additions, assert_same_sum
 
 CAUSAL_LM = ["--task", "causal-lm"]
 DECODERS = ["GPT-2", "Llama", "Mistral", "Qwen2", "BLOOM"]
@@ -232,7 +232,7 @@ def test_the_tour_table_shows_the_loss_of_a_causal_lm_run():
 
 @pytest.mark.timeout(PROBED_TEST_TIMEOUT)
 def test_a_decoder_trains_on_next_tokens_in_two_processes(tmp_path, probed_runs):
-    """09 (sharded, offloaded, checkpointed) under torchrun, through tests/fsdp_probe.py (float32,
+    """09 (sharded, offloaded, checkpointed) under torchrun, through tests/support/fsdp_probe.py (float32,
     tiny-text's small splits: its bfloat16 evaluation of the whole splits outlasted the launch's
     timeout on a busy 2-core machine): the test loss sums every process's tokens."""
     folder = write_model(tmp_path / "llama", "Llama")

@@ -11,7 +11,6 @@ import tokenize
 
 import pytest
 import torch
-from test_layout import TAGS, has_tag
 from torch.distributed.tensor import DTensor
 
 import common.data
@@ -21,6 +20,7 @@ from common.memory import is_compiled
 from common.model import offloads_to_host, transformer_blocks
 from conftest import QUICK, TEXT, assert_follows, load_script, run_script, script_path, unevaluated
 from steps import STEPS
+from support.tags import TAGS, has_tag
 
 STEP_OF_TAG = {tag: step for step, tag in TAGS.items()}
 COMBINED = "10"

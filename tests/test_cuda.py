@@ -125,7 +125,7 @@ def test_text_trains_on_the_gpu_with_sdpa_and_a_padding_mask(tmp_path, small_sni
 @requires_two_gpus
 def test_shards_filled_over_nccl_hold_the_models_values(tmp_path):
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-               str(ROOT / "tests" / "nccl_fill_probe.py"), str(tmp_path)]
+               str(ROOT / "tests" / "support" / "nccl_fill_probe.py"), str(tmp_path)]
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     for rank in range(2):

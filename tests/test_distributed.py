@@ -1,6 +1,6 @@
 """Steps 07-09 with two processes on CPU (gloo): sharding, offload and checkpointing as claimed.
 
-Each training run starts two processes under torchrun, in float32, through tests/fsdp_probe.py,
+Each training run starts two processes under torchrun, in float32, through tests/support/fsdp_probe.py,
 which notes what every process holds; a run is shared by the tests that read it. The bad-input
 tests start the two processes themselves, with the environment torchrun gives its workers, to
 see each one's exit code and message. Every test that starts processes has a timeout, and a run

@@ -10,9 +10,9 @@ import warnings
 import pytest
 
 import common  # noqa: F401 - applies the filters, as every script's first import does
-from architecture_matrix import model_flags, write_model
 from common.library_warnings import SILENCED_LOGS, silence
 from conftest import ROOT
+from support.architecture_matrix import model_flags, write_model
 
 MEMTRACKER_WARNINGS = [
     ("Module is None. Skipping PRE_BW hook.", "torch.distributed._tools.mod_tracker"),

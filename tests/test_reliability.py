@@ -118,7 +118,7 @@ def test_two_runs_writing_one_results_dir_at_once_leave_a_whole_record(tmp_path)
 def test_corrupted_weights_are_named_with_what_to_do(tmp_path, small_snippets, capsys):
     from transformers import AutoConfig, AutoModelForSequenceClassification
 
-    from architecture_matrix import model_flags, write_model
+    from support.architecture_matrix import model_flags, write_model
     folder = write_model(tmp_path / "bert", "BERT")
     AutoModelForSequenceClassification.from_config(
         AutoConfig.from_pretrained(folder)).save_pretrained(folder)
@@ -135,7 +135,7 @@ def test_weights_saved_with_another_number_of_classes_get_a_new_head(tmp_path, s
     """A model finetuned for 5 classes, trained here on 2: its body loads, its head is new."""
     from transformers import AutoConfig, AutoModelForSequenceClassification
 
-    from architecture_matrix import model_flags, write_model
+    from support.architecture_matrix import model_flags, write_model
     folder = write_model(tmp_path / "bert", "BERT")
     AutoModelForSequenceClassification.from_config(
         AutoConfig.from_pretrained(folder, num_labels=5)).save_pretrained(folder)
@@ -149,7 +149,7 @@ def test_a_gpu_out_of_memory_while_loading_is_not_called_corrupted_weights(tmp_p
     import torch
     from transformers import AutoConfig, AutoModelForSequenceClassification
 
-    from architecture_matrix import model_flags, write_model
+    from support.architecture_matrix import model_flags, write_model
     folder = write_model(tmp_path / "bert", "BERT")
     AutoModelForSequenceClassification.from_config(
         AutoConfig.from_pretrained(folder)).save_pretrained(folder)

@@ -21,8 +21,8 @@ from conftest import (
     run_script,
     unevaluated,
 )
-from rounding import additions, assert_same_sum
 from steps import STEPS, import_script
+from support.rounding import additions, assert_same_sum
 from tour.records import RECORD_FIELDS
 
 SINGLE_DEVICE_STEPS = ["01", "02", "03", "04", "05", "06"]
@@ -219,7 +219,7 @@ class SummedTerms:
 def assert_accumulation_adds_up_to_the_whole_batch(model, inputs, labels, accum_steps, tokens):
     """The gradient of `accum_steps` micro-batches equals the whole batch's, within what float32
     rounding of sums over the batch's samples and `tokens` tokens each can produce, scaled by the
-    size of the summed terms (tests/rounding.py): for linear layers and embeddings, the terms
+    size of the summed terms (tests/support/rounding.py): for linear layers and embeddings, the terms
     themselves; for the rest (normalisation, patch embedding), each sample's own contribution.
     Normwise, as error bounds of matrix products are: every element of a tensor against the
     largest size in it, since the rounding of earlier layers (a normalisation subtracting its

@@ -4,11 +4,11 @@ import re
 
 import pytest
 
-from architecture_matrix import ARCHITECTURES, model_flags, write_model
 from conftest import script_path
 from estimate import blocks
 from estimate.predict import predict
 from steps import STEPS
+from support.architecture_matrix import ARCHITECTURES, model_flags, write_model
 
 COMPARED = ("allocated_bytes", "reserved_bytes", "breakdown_bytes", "host_bytes",
             "init_allocated_bytes", "init_reserved_bytes", "parameter_count",

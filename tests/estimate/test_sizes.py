@@ -6,11 +6,11 @@ import re
 
 import pytest
 
-from architecture_matrix import ARCHITECTURES, model_flags, write_model
 from conftest import script_path
 from estimate.fit import micro_row, next_size, search, search_by_estimates
 from estimate.predict import predict, record_of, run_for
 from estimate.sizes import Family, NotBySizes, canonical
+from support.architecture_matrix import ARCHITECTURES, model_flags, write_model
 
 COMPARED = ("allocated_bytes", "reserved_bytes", "breakdown_bytes", "host_bytes",
             "init_allocated_bytes", "init_reserved_bytes", "parameter_count",

@@ -282,9 +282,8 @@ def test_each_link_sets_switches_of_10_that_a_script_trains_with(combined):
     """The chain is the estimate's (its links are not one a step), but each switch it sets is
     one 10_combined.py declares, with a value it takes, that some step's switch set (steps.py)
     trains with; a switch it takes out is one of 10's."""
-    from test_layout import switch_pairs
-
     from steps import STEPS
+    from support.tags import switch_pairs
     trained = {pair for step in STEPS.values() for pair in switch_pairs(step.switches)}
     declared = argparse.ArgumentParser()
     combined.switches(declared)

@@ -17,9 +17,9 @@ import pytest
 
 from conftest import QUICK, ROOT, load_script, script_path
 from steps import STEPS, scripts, step_id
+from support.tags import TAGS, has_tag, switch_pairs
 
 # the tag each step puts on the lines it adds (steps.py; also listed in the README)
-TAGS = {step.id: step.tag for step in STEPS.values() if step.tag}
 
 
 def comments(source):
@@ -29,13 +29,6 @@ def comments(source):
         if token.type == tokenize.COMMENT:
             found[token.start[0]] = token.string.lstrip("#").strip()
     return found
-
-
-def has_tag(comment, tag):
-    """A comment carries tags in front of its first colon: `# FSDP: ...`, `# offload, FSDP: ...`."""
-    if comment is None:
-        return False
-    return tag in [part.strip() for part in comment.split(":", 1)[0].split(",")]
 
 
 def code_lines(source):
@@ -274,16 +267,6 @@ def test_the_quick_subset_has_a_test_of_each_claim_it_names():
 
 # The places that repeat a step's facts from steps.py, checked against it (a technique is
 # written in three places: its script, its steps.py entry, its block in 10_combined.py)
-
-def switch_pairs(words):
-    """[(flag, value)] of a list of switches (steps.py's Step.switches): True for a flag alone."""
-    pairs = []
-    for index, word in enumerate(words):
-        if word.startswith("--"):
-            following = words[index + 1] if index + 1 < len(words) else "--"
-            pairs.append((word, True if following.startswith("--") else following))
-    return pairs
-
 
 def markdown_rows(text, header):
     """The cells of each row of the table whose header line starts with `header`."""

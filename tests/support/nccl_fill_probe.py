@@ -2,7 +2,7 @@
 fill_shards over NCCL) and write whether every whole parameter, gathered back, equals the model
 create_model builds on the CPU from the same seed.
 
-  python -m torch.distributed.run --standalone --nproc_per_node=2 tests/nccl_fill_probe.py OUT
+  python -m torch.distributed.run --standalone --nproc_per_node=2 tests/support/nccl_fill_probe.py OUT
   (a second argument, cpu, runs it on gloo: a check of the probe itself)
 """
 import json
@@ -13,7 +13,7 @@ import torch
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from common.distributed import end_distributed, init_distributed  # noqa: E402
 from common.model import create_model, fill_shards, transformer_blocks  # noqa: E402
 from common.presets import PRESETS  # noqa: E402

@@ -316,3 +316,26 @@ def test_the_record_fields_documented_are_those_a_run_writes():
     section = chapter.split("<!-- record fields -->")[1].split("<!-- /record fields -->")[0]
     listed = re.findall(r"^\| `(\w+)` \| ([^|]+) \|", section, flags=re.MULTILINE)
     assert listed == [(name, present) for name, (present, _) in RECORD_FIELDS.items()]
+
+
+def test_the_table_of_each_scripts_tests_is_the_one_the_tests_sources_give():
+    from support.script_tests import table
+    development = (ROOT / "docs" / "development.md").read_text()
+    shown = development.split("<!-- script tests -->\n")[1].split("\n<!-- /script tests -->")[0]
+    assert shown == table(), "docs/development.md: run python tests/support/script_tests.py"
+
+
+CITED = re.compile(r"(?<![\w/.])((?:tests|common|estimate|tour|benchmarks|docs)/[\w/.-]*\w"
+                   r"\.(?:py|md|png|json))")
+
+
+def test_every_repository_path_the_documents_and_sources_cite_exists():
+    """A path named in a chapter, a docstring or a comment (tests/support/rounding.py) that a move
+    left behind; results/ is what runs write. (This file's own examples of broken ones aside.)"""
+    ours = [path for pattern in ("*.py", "*.md") for path in ROOT.rglob(pattern)
+            if not any(part.startswith(".") or part == "results"
+                       for part in path.relative_to(ROOT).parts)]
+    missing = {(path.relative_to(ROOT).as_posix(), cited) for path in ours
+               if path != Path(__file__).resolve()
+               for cited in CITED.findall(path.read_text()) if not (ROOT / cited).exists()}
+    assert missing == set()

@@ -1,62 +1,13 @@
-"""The branches' claims: 04a (optimizer in backward) takes 03's step and never holds the whole
-model's gradients; 05a (8-bit AdamW), 05j (4-bit AdamW) and 05b (Adafactor) keep the state they
-promise, and learn."""
+"""The optimizer-state branches' claims: 04a (optimizer in backward) takes 03's step and never
+holds the whole model's gradients; 05a (8-bit AdamW), 05j (4-bit AdamW) and 05b (Adafactor) keep
+the state they promise, and learn; 04b's stochastic rounding keeps on average what 03 rounds
+away; 05f (Adam on the host) and 05i (its gradients sent as made) take 04's step off the GPU."""
 import re
 
 import pytest
 import torch
 
-from conftest import CPU, QUICK, assert_follows, load_script, run_script, script_path
-from steps import STEPS, step_id, with_parent
-
-
-def test_a_branch_starts_from_the_parent_of_its_step():
-    """05a is another choice at step 05: like 05 it starts from 04, and says so in the tables.
-    A branch may instead start from an earlier branch of its step (05d from 05c)."""
-    for step in STEPS.values():
-        if step.is_branch:
-            main_line = STEPS[step.id[:2]]
-            earlier_branch = (step.parent[:2] == step.id[:2] and step.parent < step.id
-                              and STEPS[step.parent].is_branch)
-            assert step.parent == main_line.parent or earlier_branch, step
-            assert step.sharded == main_line.sharded or not step.sharded
-    assert step_id(script_path("05a").name) == "05a"
-    assert with_parent("05a_adamw_8bit.py") == "05a_adamw_8bit (branch of 04)"
-    assert with_parent("05_sgd_cosine") == "05_sgd_cosine"
-
-
-def test_every_numbered_script_is_registered_and_every_entry_has_its_script():
-    from conftest import ROOT
-    on_disk = sorted(ROOT.glob("[0-9][0-9]*_*.py"))
-    assert on_disk == sorted(step.path for step in STEPS.values())
-
-
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """runs(name, flags, float32=False): the step's run, made once per module (per test worker)
-    and shared by the tests that only read it: (its record, its meter). float32: the script's
-    DTYPE made float32, so that runs that differ only in the order or timing of the work can be
-    compared closely."""
-    made = {}
-
-    def run(name, flags=QUICK, float32=False):
-        key = (name, tuple(flags), float32)
-        if key not in made:
-            module = load_script(name)
-            if float32:
-                module.DTYPE = torch.float32
-            made[key] = run_script(name, flags, tmp_path_factory.mktemp(name), module)
-        return made[key]
-    return run
-
-
-def assert_trains_as(branch, parent, runs):
-    """`branch` and `parent` run in float32 (only the order or the timing of the work differs):
-    the same losses and weights, within rounding."""
-    (ours, our_meter), (theirs, their_meter) = (runs(name, float32=True) for name in (branch, parent))
-    assert_follows(ours["losses"], theirs["losses"])
-    for mine, other in zip(our_meter.model.parameters(), their_meter.model.parameters(), strict=True):
-        assert_follows(mine.detach(), other.detach(), what="parameters")
+from conftest import CPU, QUICK, assert_trains_as, load_script, run_script, script_path
 
 
 @pytest.mark.numerical
@@ -196,80 +147,6 @@ def test_a_few_steps_of_the_leaner_optimizers_lower_the_loss(name, runs):
     assert sum(losses[-4:]) / 4 < sum(losses[:4]) / 4 - 0.1, losses
 
 
-@pytest.mark.numerical
-def test_checkpointing_on_one_device_trains_as_04(runs):
-    """Recomputing the blocks in backward changes when the work is done, not its result."""
-    assert_trains_as("05c", "04", runs)
-
-
-def test_checkpointing_on_one_device_keeps_fewer_activations(quick_records, runs):
-    record, _ = runs("05c")
-    plain = quick_records["04"]
-    assert record["breakdown_bytes"]["activations"] < 0.7 * plain["breakdown_bytes"]["activations"]
-    assert record["peak_memory_bytes"] < plain["peak_memory_bytes"]
-    for kept in ("parameters", "gradients", "optimizer_state"):  # the model state is 04's
-        assert record["breakdown_bytes"][kept] == plain["breakdown_bytes"][kept]
-
-
-@pytest.mark.parametrize("preset", ["tiny", "tiny-text"])
-def test_checkpointing_recomputes_at_most_one_forward_and_selective_no_matrix_product(preset):
-    """benchmarks/recompute_flops.py counts it: 05c's backward grows by more than half a forward
-    (every block runs again) and by no more than one (nothing runs twice over); 05d's not at all,
-    since FlopCounterMode counts the matrix products and attention, whose outputs 05d keeps."""
-    from benchmarks.recompute_flops import forward_backward_flops
-    from common.presets import PRESETS
-    forward, plain = forward_backward_flops(PRESETS[preset], 2)
-    _, checkpointed = forward_backward_flops(PRESETS[preset], 2, "05c")
-    _, selective = forward_backward_flops(PRESETS[preset], 2, "05d")
-    assert 0.5 * forward < checkpointed - plain <= forward
-    assert selective == plain
-
-
-def test_selective_checkpointing_recomputes_attention_that_draws_random_numbers():
-    """A GPU's attention kernels draw dropout's random numbers themselves: keeping their output
-    would skip that draw in the recomputation and shift the dropout masks after it."""
-    module = load_script("05d")
-    aten, policy = torch.ops.aten, module.CheckpointPolicy
-    query = torch.zeros(1, 1, 2, 4)
-    for op, dropout in ((aten._scaled_dot_product_flash_attention.default, "dropout_p"),
-                        (aten._scaled_dot_product_efficient_attention.default, "dropout_p")):
-        arguments = (query, query, query, None, False) if "efficient" in op.name() else (query,) * 3
-        assert module.keep_or_recompute(None, op, *arguments) == policy.MUST_SAVE
-        assert module.keep_or_recompute(None, op, *arguments, **{dropout: 0.1}) == \
-            policy.PREFER_RECOMPUTE
-    flash_for_cpu = aten._scaled_dot_product_flash_attention_for_cpu.default
-    assert module.keep_or_recompute(None, flash_for_cpu, query, query, query, 0.1) == \
-        policy.PREFER_RECOMPUTE  # dropout_p given by position
-    assert module.keep_or_recompute(None, aten.mm.default, query, query) == policy.MUST_SAVE
-    assert module.keep_or_recompute(None, aten.gelu.default, query) == policy.PREFER_RECOMPUTE
-
-
-def test_selective_checkpointing_recomputes_the_score_matrices_of_attention_in_python():
-    """BLOOM's attention (its own code) makes each layer's batch x heads x tokens x tokens scores
-    with baddbmm: those are what 05c frees, so 05d recomputes them (and bmm's likewise)."""
-    module = load_script("05d")
-    scores = torch.zeros(2, 4, 4)
-    for op, arguments in ((torch.ops.aten.baddbmm.default, (scores, scores, scores)),
-                          (torch.ops.aten.bmm.default, (scores, scores))):
-        assert module.keep_or_recompute(None, op, *arguments) == module.CheckpointPolicy.PREFER_RECOMPUTE
-
-
-@pytest.mark.numerical
-def test_selective_checkpointing_trains_as_05c(runs):
-    """Reusing saved outputs instead of recomputing them changes no result."""
-    assert_trains_as("05d", "05c", runs)
-
-
-def test_selective_checkpointing_keeps_activations_between_04s_and_05cs(quick_records, runs):
-    records = {name: runs(name)[0] for name in ("05c", "05d")}
-    activations = {name: record["breakdown_bytes"]["activations"] for name, record in
-                   [*records.items(), ("04", quick_records["04"])]}
-    assert activations["05c"] < activations["05d"] < activations["04"]
-    peaks = {name: record["peak_memory_bytes"] for name, record in
-             [*records.items(), ("04", quick_records["04"])]}
-    assert peaks["05c"] < peaks["05d"] < peaks["04"]
-
-
 def mean_and_its_spread(rounded, lower, upper, share_up):
     """The mean of `rounded` (each `lower` or `upper`) in float64, and the standard deviation of
     that mean if each rounds up with probability `share_up` on its own (a binomial count)."""
@@ -308,46 +185,6 @@ def test_the_updates_03_rounds_away_are_kept_on_average():
     assert torch.all(weights["03"] == 1.0)  # every update rounded away
     mean, spread = mean_and_its_spread(weights["04b"], 1 - gap, 1.0, share_up=1 - lr / gap)
     assert abs(mean - (1 - lr)) < 6 * spread
-
-
-@pytest.mark.numerical
-def test_activation_offloading_trains_as_05c(runs):
-    """Moving the saved inputs to the host and back changes where they wait, not their values."""
-    assert_trains_as("05e", "05c", runs)
-
-
-def test_offloading_moves_each_blocks_input_to_the_host_and_frees_the_original(tmp_path):
-    """Per micro-batch, one input per block goes out and comes back once; when forward ends,
-    none of the originals is alive any more: only the host copies are kept for backward."""
-    import weakref
-    module = load_script("05e")
-    moved, came_back, alive_after_forward = [], [], []
-    to_host, to_device = module.OffloadedInputs.to_host, module.OffloadedInputs.to_device
-
-    def counting_to_host(self, tensor):
-        packed = to_host(self, tensor)
-        if packed is not tensor:
-            moved.append((weakref.ref(tensor), tensor.shape, packed[1].device))
-        return packed
-
-    def counting_to_device(self, packed):
-        came_back.append(packed)
-        return to_device(self, packed)
-
-    module.OffloadedInputs.to_host, module.OffloadedInputs.to_device = counting_to_host, counting_to_device
-
-    class Meter(module.MemoryMeter):
-        def __init__(self, device, model, optimizer):
-            super().__init__(device, model, optimizer)
-            model.register_forward_hook(lambda *_: alive_after_forward.append(
-                sum(original() is not None for original, _, _ in moved[-4:]) if model.training else 0))
-
-    module.MemoryMeter = Meter
-    record, _ = run_script("05e", QUICK, tmp_path, module)
-    micro_batches = record["steps"] * record["accum_steps"]
-    assert len(moved) == len(came_back) == 4 * micro_batches  # the tiny ViT's 4 blocks
-    assert {(tuple(shape), device.type) for _, shape, device in moved} == {((16, 5, 128), "cpu")}
-    assert alive_after_forward[:micro_batches] == [0] * micro_batches
 
 
 @pytest.mark.numerical

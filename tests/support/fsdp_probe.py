@@ -1,7 +1,7 @@
 """Run a numbered FSDP step as one process of a group, in float32, noting what the process holds.
 
   python -m torch.distributed.run --standalone --nproc_per_node=2 \\
-      tests/fsdp_probe.py OUT_DIR 07 --max-steps 3 ...
+      tests/support/fsdp_probe.py OUT_DIR 07 --max-steps 3 ...
 
 Test-only changes, made from outside as the memory estimator does: the script's DTYPE becomes
 float32 (so that runs can be compared closely), and its train_step is wrapped to note, before
@@ -22,7 +22,7 @@ from torch._dynamo.utils import counters
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository, for common/
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository, for common/
 import common.data  # noqa: E402
 from common.memory import TRACKED_STEPS  # noqa: E402
 from conftest import SMALL_SNIPPET_SPLITS, load_script  # noqa: E402
