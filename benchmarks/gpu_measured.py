@@ -2,6 +2,8 @@
 
   python benchmarks/gpu_measured.py measure DIR [--jobs 4]      # on a machine with a CUDA GPU
   python benchmarks/gpu_measured.py compare DIR [--gpu h100]    # anywhere: predicts, then prints
+  python benchmarks/gpu_measured.py measure DIR --at-scale      # the studies' models, no network
+  python benchmarks/gpu_measured.py checked DIR --at-scale      # the records' own predictions
 
 measure  runs every single-device script (07-09 as a group of one) for two optimizer steps on
          tiny, and on tiny-text under --task causal-lm (the scripts that train it), with
@@ -12,6 +14,13 @@ measure  runs every single-device script (07-09 as a group of one) for two optim
          (--jobs): each process's allocator figures are its own.
 compare  runs `--estimate --gpu GPU` for the same commands here (no GPU needed) and prints
          Markdown: measured allocated and reserved, predicted, and measured / predicted.
+checked  prints the same table from the predictions the runs made beside themselves
+         (--check-estimate, which --at-scale adds), with the GPU each emulated.
+--at-scale  the studies' settings instead, on data drawn at random (--data synthetic) and models
+         made from their configs (docs/models/): ViT-L/16 at batch 64 (01, 02, 03, 04, 05c, 06),
+         Llama-3.2-1B at 8 x 2,048 tokens (04, 05c, 05h, --task causal-lm) and BERT-large at 512
+         tokens, batch 16 (01, 04); each with --check-estimate, so the record holds the
+         prediction made beside it.
 
 It only measures and prints: no test depends on it.
 """
@@ -34,14 +43,30 @@ SNAPSHOTS = ("01", "04", "05c")  # on tiny
 MIB = 2**20
 
 
-def runs():
-    """(preset, step id) for each script that trains the preset's task in one process."""
+AT_SCALE = {  # the studies' models on random data of their shapes: no download
+    "vit-large": ["--preset", "article", "--model", "docs/models/vit-large-patch16-224",
+                  "--data", "synthetic", "--batch-size", "64"],
+    "llama-1b": ["--preset", "tiny-text", "--task", "causal-lm", "--model", "docs/models/llama-3.2-1b",
+                 "--seq-len", "2048", "--batch-size", "8", "--data", "synthetic"],
+    "bert-large": ["--preset", "tiny-text", "--model", "docs/models/bert-large-uncased",
+                   "--seq-len", "512", "--batch-size", "16", "--data", "synthetic"],
+}
+AT_SCALE_STEPS = {"vit-large": ("01", "02", "03", "04", "05c", "06"),
+                  "llama-1b": ("04", "05c", "05h"), "bert-large": ("01", "04")}
+
+
+def runs(at_scale=False):
+    """(preset, step id) for each script that trains the preset's task in one process; or the
+    studies' settings (AT_SCALE)."""
+    if at_scale:
+        return [(setting, step) for setting, steps in AT_SCALE_STEPS.items() for step in steps]
     return [(preset, step.id) for preset in PRESETS for step in STEPS.values()
             if step.trains("causal-lm" if preset == "tiny-text" else "classification")]
 
 
 def command(preset, step_id, results, extra=()):
-    return [sys.executable, str(STEPS[step_id].path), *PRESETS[preset], *TWO_STEPS,
+    flags = AT_SCALE.get(preset) or PRESETS[preset]
+    return [sys.executable, str(STEPS[step_id].path), *flags, *TWO_STEPS,
             "--results-dir", str(results), *extra]
 
 
@@ -63,10 +88,10 @@ def run_all(commands, jobs, logs):
         return dict(pool.map(one, commands))
 
 
-def measure(folder, jobs):
+def measure(folder, jobs, at_scale=False):
     commands = []
-    for preset, step_id in runs():
-        extra = ["--device", "cuda"]
+    for preset, step_id in runs(at_scale):
+        extra = ["--device", "cuda"] + (["--check-estimate"] if at_scale else [])
         if preset == "tiny" and step_id in SNAPSHOTS:
             (folder / "snapshots").mkdir(parents=True, exist_ok=True)
             extra += ["--memory-snapshot", str(folder / "snapshots" / f"{step_id}.pickle")]
@@ -77,26 +102,26 @@ def measure(folder, jobs):
           (f"; failed: {', '.join(failed)}" if failed else ""))
 
 
-def predicted(folder, gpu, jobs):
+def predicted(folder, gpu, jobs, at_scale=False):
     """{(preset, step id): the estimate's record}, each predicted in a folder of its own."""
     commands = [(f"{preset}-{step_id}-estimate",
                  command(preset, step_id, folder / "predicted" / f"{preset}-{step_id}",
-                         ["--estimate", "--gpu", gpu])) for preset, step_id in runs()]
+                         ["--estimate", "--gpu", gpu])) for preset, step_id in runs(at_scale)]
     run_all(commands, jobs, folder / "predicted" / "logs")
     found = {}
-    for preset, step_id in runs():
+    for preset, step_id in runs(at_scale):
         path = folder / "predicted" / f"{preset}-{step_id}" / "estimate.json"
         if path.is_file():
             found[preset, step_id] = json.loads(path.read_text())[-1]
     return found
 
 
-def compare(folder, gpu, jobs):
-    estimates = predicted(folder, gpu, jobs)
+def compare(folder, gpu, jobs, at_scale=False):
+    estimates = predicted(folder, gpu, jobs, at_scale)
     print(f"\n| preset | script | measured allocated / reserved (MiB) | predicted ({gpu}) | "
           "measured / predicted | whole run reserved |")
     print("|---|---|---:|---:|---:|---:|")
-    for preset, step_id in runs():
+    for preset, step_id in runs(at_scale):
         path = folder / preset / f"{STEPS[step_id].name}.json"
         record = json.loads(path.read_text()) if path.is_file() else {}
         estimate = estimates.get((preset, step_id))
@@ -113,19 +138,49 @@ def compare(folder, gpu, jobs):
               f"{record['cuda_max_reserved_bytes'] / MIB:.1f} |")
 
 
+def checked(folder, at_scale=False):
+    """The table of `compare`, from each record's own --check-estimate fields."""
+    print("\n| setting | script | measured allocated / reserved (MiB) | predicted | "
+          "measured / predicted | whole run reserved |")
+    print("|---|---|---:|---:|---:|---:|")
+    for preset, step_id in runs(at_scale):
+        path = folder / preset / f"{STEPS[step_id].name}.json"
+        record = json.loads(path.read_text()) if path.is_file() else {}
+        if "predicted_allocated_bytes" not in record:
+            why = record.get("estimate_problem", "no record") if record else "no record"
+            print(f"| {preset} | {step_id} | {why} | | | |")
+            continue
+        window = "cuda_steps_max_allocated_bytes" in record  # absent: no step was taken
+        allocated = record["cuda_steps_max_allocated_bytes" if window else "cuda_max_allocated_bytes"]
+        reserved = record["cuda_steps_max_reserved_bytes" if window else "cuda_max_reserved_bytes"]
+        note = "" if window else " (whole run: the loss scaler skipped the tracked steps)"
+        print(f"| {preset} | {step_id} | {allocated / MIB:.1f} / {reserved / MIB:.1f}{note} | "
+              f"{record['predicted_allocated_bytes'] / MIB:.1f} / "
+              f"{record['predicted_reserved_bytes'] / MIB:.1f} | "
+              f"{allocated / record['predicted_allocated_bytes']:.3f} / "
+              f"{reserved / record['predicted_reserved_bytes']:.3f} | "
+              f"{record['cuda_max_reserved_bytes'] / MIB:.1f} |")
+    emulated = {json.loads(path.read_text()).get("predicted_gpu") for path in folder.glob("*/*.json")}
+    print(f"\npredicted for: {'; '.join(sorted(filter(None, emulated)))}")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("part", choices=["measure", "compare"])
+    parser.add_argument("part", choices=["measure", "compare", "checked"])
     parser.add_argument("folder", type=Path)
     parser.add_argument("--jobs", type=int, default=4)
     parser.add_argument("--gpu", default="h100", help="the GPU the estimate emulates (compare)")
+    parser.add_argument("--at-scale", action="store_true",
+                        help="the studies' models and batches on random data (AT_SCALE)")
     args = parser.parse_args()
     start = time.perf_counter()
     if args.part == "measure":
-        measure(args.folder, args.jobs)
+        measure(args.folder, args.jobs, args.at_scale)
+    elif args.part == "checked":
+        checked(args.folder, args.at_scale)
     else:
-        compare(args.folder, args.gpu, args.jobs)
+        compare(args.folder, args.gpu, args.jobs, args.at_scale)
     print(f"\n{args.part}: {time.perf_counter() - start:.0f} s")
 
 

@@ -5,11 +5,12 @@ import os
 import signal
 import sys
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
-from common.presets import PRESETS, TASKS, for_task
+from common.presets import PRESETS, SYNTHETIC, TASKS, for_task
 
 
 def positive_int(text):
@@ -116,6 +117,10 @@ SHARED_FLAGS = {
                          help="with --model, images: height and width (default: the model's)"),
     "--num-labels": dict(type=positive_int,
                          help="with --model: classes of its new head (default: the data's)"),
+    "--data": dict(choices=["preset", "synthetic"], default="preset",
+                   help="preset: the preset's data set; synthetic: random inputs and labels of its "
+                        "shapes, nothing read or downloaded (memory and time only: accuracy is "
+                        "not measured)"),
     "--epochs": dict(type=positive_int, help="default: the preset's"),
     "--batch-size": dict(type=positive_int, help="samples per optimizer step, over all processes "
                                                  "(default: the preset's)"),
@@ -128,7 +133,7 @@ SHARED_FLAGS = {
                          help="the processes (GPUs) the estimate runs a sharded step (07 on) in"),
 }
 SCRIPT_FLAGS = ["--preset", "--model", "--task", "--seq-len", "--image-size", "--num-labels",
-                "--epochs", "--batch-size", "--max-steps", "--gpu"]
+                "--data", "--epochs", "--batch-size", "--max-steps", "--gpu"]
 # a script takes these only with --estimate (a real run uses the GPU it has, the processes
 # torchrun starts), and says so
 ESTIMATE_ONLY = {"--gpu": "names the GPU --estimate emulates",
@@ -224,6 +229,8 @@ def parse_args(description, argv=None, task=None, flags=None):
     elif args.seq_len or args.image_size or args.num_labels:
         parser.error("--seq-len, --image-size and --num-labels shape the model named by --model; "
                      "the presets have their own (add --model NAME_OR_DIR)")
+    if args.data == "synthetic":  # no data set read: random samples of its shapes
+        preset = replace(preset, dataset=SYNTHETIC)
     args.preset_settings = preset  # preset_for(args): the preset, resolved once
     args.epochs = args.epochs or preset.epochs
     args.batch_size = args.batch_size or preset.batch_size

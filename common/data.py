@@ -6,7 +6,9 @@ scikit-learn's handwritten digits (1,797 8x8 grey images, shipped inside the pac
 32x32 RGB. article: CIFAR-10 from the Hub at 224x224, split 45k/5k/10k as in the study. tiny-text:
 10,568 Rotten Tomatoes snippets rated positive or negative by people (from a package on PyPI),
 tokenized to the preset's length. imdb: the 50,000 IMDb movie reviews from the Hub, split
-35k/5k/10k as in the LLM study.
+35k/5k/10k as in the LLM study. --data synthetic: random inputs and labels of the preset's shapes
+(images, or token ids at the full --seq-len), for measuring memory where the data cannot be
+fetched; what a model learns from them means nothing.
 """
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,7 +20,7 @@ from torch.utils.data import BatchSampler, DataLoader, RandomSampler, Sequential
 
 from common.hub import from_cache_when_offline, require_hub
 from common.packaged import Packaged, fetch
-from common.presets import MOVIE_SNIPPETS
+from common.presets import MOVIE_SNIPPETS, SYNTHETIC
 from common.progress import is_main_process
 
 SPLIT_SEED = 0  # the train/validation/test split never depends on --seed
@@ -28,6 +30,7 @@ DIGITS_SPLITS = (1257, 180, 360)  # scikit-learn's 1,797 digits
 CIFAR10_SPLITS = (45000, 5000, 10000)  # the study's: 5,000 of CIFAR-10's training images validate
 SNIPPET_SPLITS = (1600, 500, 2000)  # 6,468 snippets unused
 IMDB_SPLITS = (35000, 5000, 10000)  # the LLM study's: IMDb's train and test halves, joined
+SYNTHETIC_SPLITS = (256, 64, 64)  # --data synthetic: drawn when read, none held
 # a tokenizer's vocabulary, in one of the forms transformers saves it
 TOKENIZER_FILES = ("tokenizer.json", "vocab.txt", "vocab.json", "tokenizer.model", "spiece.model",
                    "sentencepiece.bpe.model")
@@ -189,6 +192,36 @@ def text_splits(examples, sizes, preset):
                  for split_texts, split_labels in splits)
 
 
+class SyntheticData:
+    """`size` samples of the preset's shapes drawn at random when read (each sample the same at
+    every read): images in [-1, 1), or token ids over the model's vocabulary at the full length
+    with a mask of ones; a class label each, or under --task causal-lm the ids themselves."""
+
+    def __init__(self, preset, size, split):
+        self.preset, self.size, self.split = preset, size, split
+        if preset.max_length:  # text: ids the model's embedding holds
+            from common.model import model_config
+            self.vocabulary = model_config(preset).vocab_size
+
+    def __len__(self):
+        return self.size
+
+    def __getitem__(self, indices):
+        preset, samples = self.preset, []
+        for index in indices:
+            draw = torch.Generator().manual_seed(SPLIT_SEED + 1_000_003 * self.split + index)
+            if preset.max_length:
+                ids = torch.randint(self.vocabulary, (preset.max_length,), generator=draw)
+                inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+            else:
+                size = preset.image_size
+                inputs = {"pixel_values": torch.rand(3, size, size, generator=draw) * 2 - 1}
+            label = (inputs["input_ids"].clone() if preset.task == "causal-lm"
+                     else torch.randint(preset.num_classes, (), generator=draw))
+            samples.append({**inputs, "label": label})
+        return {name: torch.stack([sample[name] for sample in samples]) for name in samples[0]}
+
+
 class RankSlice:
     """Each process takes every world_size-th sample of every global batch, starting at its rank."""
 
@@ -259,6 +292,10 @@ def load_data(preset, batch_size, device, seed=0, rank=0, world_size=1):
     pinning creates a CUDA context, which a CPU run on a GPU machine must not."""
     if preset.dataset == "digits":
         train, val, test = digits_datasets(preset.image_size)
+        workers = 0
+    elif preset.dataset == SYNTHETIC:
+        train, val, test = (SyntheticData(preset, size, split)
+                            for split, size in enumerate(SYNTHETIC_SPLITS))
         workers = 0
     elif preset.dataset == "movie-snippets":
         train, val, test = movie_snippet_datasets(preset)

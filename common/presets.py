@@ -33,6 +33,9 @@ MOVIE_SNIPPETS = Packaged(
             "c8293b0d942e90e223ea2c0955d969040d1a1be514a978b9af0698940bd13350"})
 
 
+SYNTHETIC = "synthetic"  # --data synthetic: random inputs and labels of the preset's shapes
+
+
 @dataclass(frozen=True)
 class Preset:
     name: str

@@ -7,6 +7,7 @@ import torch
 import torch.distributed as dist
 
 from common.atomic_write import write_json_atomically
+from common.presets import SYNTHETIC, preset_for
 from common.progress import is_main_process
 
 
@@ -30,7 +31,9 @@ def model_state_words(per_parameter, parameter_count, world_size):
 
 def score_fields(score):
     """The record's fields of a test score: accuracy and its samples, or under --task causal-lm
-    the next-token loss, its perplexity and its tokens (accuracy null)."""
+    the next-token loss, its perplexity and its tokens (accuracy null); None: not measured."""
+    if score is None:
+        return {"test_accuracy": None, "test_samples": None}
     if getattr(score, "name", "accuracy") == "accuracy":
         return {"test_accuracy": float(score), "test_samples": getattr(score, "samples", None)}
     return {"test_accuracy": None, "test_samples": None, "test_loss": round(float(score), 6),
@@ -52,6 +55,7 @@ def report(args, script, creation, meter, progress, test_score):
     meter tracked (tracking slows them down).
     """
     memory = meter.result()  # under several processes: collectives, so every process calls them
+    synthetic = preset_for(args).dataset == SYNTHETIC  # --data synthetic: nothing to score
     created = creation.result()
     world_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
     train_seconds = progress.seconds - meter.tracked_seconds
@@ -69,7 +73,8 @@ def report(args, script, creation, meter, progress, test_score):
         **created,
         "train_seconds": round(train_seconds, 3),
         "task": getattr(args, "task", "classification"),
-        **score_fields(test_score),
+        "data": "synthetic" if synthetic else "preset",
+        **score_fields(None if synthetic else test_score),
         "steps": progress.steps,
         "epochs": args.epochs,
         "seed": args.seed,
@@ -120,8 +125,11 @@ def report(args, script, creation, meter, progress, test_score):
              if args.device.type == "cuda" else ""))
     print(f"training time            {train_seconds:.1f} s ({progress.steps} optimizer steps)")
     name = getattr(test_score, "name", "accuracy")
-    print(f"test {name:<20}" + (f"{test_score:.2%}" if name == "accuracy"
-                                else str(test_score).removeprefix(name).strip()))
+    if synthetic:
+        print(f"test {name:<20}not measured (--data synthetic: random inputs and labels)")
+    else:
+        print(f"test {name:<20}" + (f"{test_score:.2%}" if name == "accuracy"
+                                    else str(test_score).removeprefix(name).strip()))
     path = Path(args.results_dir) / f"{record['script']}.json"
     try:
         write_json_atomically(path, record)

@@ -112,7 +112,8 @@ def splits_of(dataset):
     common/data.py splits it, or None."""
     data = common.data  # read at each call: tests shorten SNIPPET_SPLITS
     return {"digits": data.DIGITS_SPLITS, "uoft-cs/cifar10": data.CIFAR10_SPLITS,
-            "movie-snippets": data.SNIPPET_SPLITS, "stanfordnlp/imdb": data.IMDB_SPLITS}.get(dataset)
+            "movie-snippets": data.SNIPPET_SPLITS, "stanfordnlp/imdb": data.IMDB_SPLITS,
+            data.SYNTHETIC: data.SYNTHETIC_SPLITS}.get(dataset)
 
 
 

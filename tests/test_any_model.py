@@ -11,12 +11,13 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
-from architecture_matrix import TOKENIZER_FILES
 from common.packaged import fetch
 from common.presets import MINILM
 from conftest import QUICK, ROOT, load_script, script_path
 from estimate.predict import predict
+from support.architecture_matrix import TOKENIZER_FILES
 
 SMALL = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=128)
 
@@ -154,3 +155,71 @@ def test_the_presets_classes_are_those_transformers_tables_give():
     assert used == set(PRESET_CLASSES)  # every preset's, and none that no preset has
     for (architecture, task), name in PRESET_CLASSES.items():
         assert name == model_class_name(architecture, task)
+
+
+# ---- --data synthetic: a model at its study's shapes where its data cannot be fetched ----------
+
+def test_synthetic_data_trains_a_config_only_model_without_reading_data_and_scores_nothing(
+        tmp_path, monkeypatch):
+    """Random samples of the preset's shapes, the same at every read; the record says the data
+    was synthetic and holds no accuracy; the estimate of the same run counts what it measured."""
+    import common.data
+
+    def no_data(*args, **kwargs):
+        raise AssertionError("a data set was read")
+    for reader in ("digits_datasets", "movie_snippet_datasets", "imdb_datasets", "cifar10_datasets"):
+        monkeypatch.setattr(common.data, reader, no_data)
+    vit = write_config(tmp_path / "vit", model_type="vit", image_size=32, patch_size=8, **SMALL)
+    flags = ["--model", str(vit), "--data", "synthetic", "--batch-size", "8", "--accum-steps", "2",
+             *QUICK]
+    record = load_script("04").main([*flags, "--results-dir", str(tmp_path)])
+    assert record["data"] == "synthetic" and record["test_accuracy"] is None
+    assert record["steps"] == 2
+    predicted = predict(script_path("04"), flags)  # --device cpu: the run's own count
+    assert predicted["allocated_bytes"] == record["peak_memory_bytes"]
+
+
+def test_synthetic_text_is_token_ids_of_the_models_vocabulary_at_full_length(tmp_path):
+    from common.cli import parse_args
+    from common.data import SyntheticData
+    from common.presets import preset_for
+    text = write_config(tmp_path / "llama", model_type="llama", vocab_size=97, **SMALL)
+    for task, labels in (("classification", (4,)), ("causal-lm", (4, 24))):
+        preset = preset_for(parse_args("", ["--model", str(text), "--seq-len", "24", "--data",
+                                            "synthetic", "--task", task,
+                                            "--results-dir", str(tmp_path)]))
+        batch = SyntheticData(preset, 16, 0)[[0, 5, 6, 7]]
+        assert batch["input_ids"].shape == (4, 24) and int(batch["input_ids"].max()) < 97
+        assert bool(batch["attention_mask"].all()) and batch["label"].shape == labels
+        assert torch.equal(SyntheticData(preset, 16, 0)[[5]]["input_ids"][0], batch["input_ids"][1])
+
+
+def test_the_at_scale_measurement_runs_commands_the_scripts_take_and_tables_their_records(
+        tmp_path, capsys):
+    """benchmarks/gpu_measured.py --at-scale: each command is one its script parses (the
+    models' configs are in docs/models/, the data synthetic), and `checked` tables the records'
+    own predictions, a record without the tracked steps' window by its whole run."""
+    import importlib.util
+
+    from common.cli import parse_args
+    spec = importlib.util.spec_from_file_location("gpu_measured", ROOT / "benchmarks" / "gpu_measured.py")
+    measured = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(measured)
+    for setting, step in measured.runs(at_scale=True):
+        words = measured.command(setting, step, tmp_path / setting)[2:]
+        args = parse_args("", [*words, "--device", "cpu"],
+                          flags=getattr(load_script(step), "own_flags", None))
+        assert args.data == "synthetic" and args.max_steps == 2
+    record = {"predicted_allocated_bytes": 100 * 2**20, "predicted_reserved_bytes": 200 * 2**20,
+              "cuda_max_allocated_bytes": 110 * 2**20, "cuda_max_reserved_bytes": 220 * 2**20,
+              "predicted_gpu": "H100 emulated"}
+    (tmp_path / "vit-large").mkdir(parents=True, exist_ok=True)
+    (tmp_path / "vit-large" / "01_baseline.json").write_text(json.dumps(
+        {**record, "cuda_steps_max_allocated_bytes": 105 * 2**20,
+         "cuda_steps_max_reserved_bytes": 200 * 2**20}))
+    (tmp_path / "vit-large" / "02_mixed_precision.json").write_text(json.dumps(record))
+    measured.checked(tmp_path, at_scale=True)
+    rows = capsys.readouterr().out
+    assert "| vit-large | 01 | 105.0 / 200.0 | 100.0 / 200.0 | 1.050 / 1.000 | 220.0 |" in rows
+    assert "| vit-large | 02 | 110.0 / 220.0 (whole run" in rows
+    assert "| vit-large | 03 | no record |" in rows

@@ -23,6 +23,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository, for common/
+sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # tests/, for conftest
 import common.data  # noqa: E402
 from common.memory import TRACKED_STEPS  # noqa: E402
 from conftest import SMALL_SNIPPET_SPLITS, load_script  # noqa: E402
