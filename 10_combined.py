@@ -404,6 +404,10 @@ def refusal(args):
     if args.lora_rank and launched_sharded(args):
         return (f"--lora-rank with {sharded}: the sharded model is filled from the preset's "
                 "model parameter by parameter, and the adapters are not in it")
+    if args.check_estimate and args.checkpointing.startswith("budget:"):
+        return ("--check-estimate with --checkpointing budget:F: the budget compiles the model, "
+                "whose estimate is a range (estimate/compiled.py), so nothing would be checked; "
+                "leave one of them out")
     if args.reshard_after_forward is not None and not launched_sharded(args):
         return ("--reshard-after-forward without sharding: it says what FSDP does after a "
                 "block's forward; run under torchrun or with --offload")

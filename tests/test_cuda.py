@@ -182,6 +182,26 @@ PRESET_FLAGS = {"tiny": ["--preset", "tiny"],
                 "tiny-text": ["--preset", "tiny-text", "--task", "causal-lm"]}
 
 
+def checks_its_estimate(script, flags, record_name, tmp_path):
+    """`script` with `flags` in a process of its own, as a user runs it (an earlier run in the
+    same process would leave its cuBLAS workspaces allocated), with --check-estimate: its
+    measured peak within the band of its prediction."""
+    command = [sys.executable, str(script), *flags, *ON_GPU, "--check-estimate",
+               "--results-dir", str(tmp_path)]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    record = json.loads((tmp_path / f"{record_name}.json").read_text())
+    measured, predicted = record["cuda_steps_max_allocated_bytes"], record["predicted_allocated_bytes"]
+    print(f"{script.name} {' '.join(flags)}: measured {measured} | "
+          f"{record['cuda_steps_max_reserved_bytes']}, predicted {predicted} | "
+          f"{record['predicted_reserved_bytes']} ({record['predicted_gpu']}), ratio "
+          f"{record['measured_over_predicted_allocated']}")
+    assert record["measured_over_predicted_allocated"] == round(measured / predicted, 4)
+    assert record["peak_memory_bytes"] <= measured <= record["cuda_max_allocated_bytes"]
+    assert (1 - BAND) * predicted <= measured <= (1 + BAND) * predicted + UNMODELLED_WORKSPACE
+    assert "measured / predicted" in done.stdout
+
+
 @requires_cuda
 @pytest.mark.parametrize("preset", PRESET_FLAGS)
 # not 05k, always compiled: its estimate is a range (estimate/compiled.py), which --check-estimate
@@ -189,21 +209,27 @@ PRESET_FLAGS = {"tiny": ["--preset", "tiny"],
 @pytest.mark.parametrize("name", [name for name in STEPS if not STEPS[name].combined
                                   and not STEPS[name].compiles])
 def test_a_gpu_run_checks_its_estimate_and_measures_what_it_predicts(name, preset, tmp_path):
-    """Each script in a process of its own, as a user runs it (an earlier run in the same
-    process would leave its cuBLAS workspaces allocated), with --check-estimate."""
     flags = PRESET_FLAGS[preset]
     if not STEPS[name].trains("causal-lm" if "causal-lm" in flags else "classification"):
         pytest.skip(f"{name} does not train this task")
-    command = [sys.executable, str(script_path(name)), *flags, *ON_GPU, "--check-estimate",
-               "--results-dir", str(tmp_path)]
-    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    record = json.loads((tmp_path / f"{STEPS[name].name}.json").read_text())
-    measured, predicted = record["cuda_steps_max_allocated_bytes"], record["predicted_allocated_bytes"]
-    print(f"{name} {preset}: measured {measured} | {record['cuda_steps_max_reserved_bytes']}, "
-          f"predicted {predicted} | {record['predicted_reserved_bytes']} ({record['predicted_gpu']})"
-          f", ratio {record['measured_over_predicted_allocated']}")
-    assert record["measured_over_predicted_allocated"] == round(measured / predicted, 4)
-    assert record["peak_memory_bytes"] <= measured <= record["cuda_max_allocated_bytes"]
-    assert (1 - BAND) * predicted <= measured <= (1 + BAND) * predicted + UNMODELLED_WORKSPACE
-    assert "measured / predicted" in done.stdout
+    checks_its_estimate(script_path(name), flags, STEPS[name].name, tmp_path)
+
+
+# the combined script with each script's switches (steps.py), and a stack of many, as one process
+COMBINED_SETS = {name: list(STEPS[name].switches) for name in STEPS
+                 if not STEPS[name].combined and not STEPS[name].compiles}
+COMBINED_SETS["stack"] = ["--accum-steps", "4", "--checkpointing", "offloaded", "--optimizer",
+                          "adamw-8bit", "--optimizer-on-host", "--gradients-to-host"]
+
+
+@requires_cuda
+@pytest.mark.parametrize("preset", PRESET_FLAGS)
+@pytest.mark.parametrize("switches", COMBINED_SETS)
+def test_the_combined_script_checks_its_estimate_with_each_scripts_switches(switches, preset,
+                                                                             tmp_path):
+    flags = PRESET_FLAGS[preset]
+    task = "causal-lm" if "causal-lm" in flags else "classification"
+    if switches in STEPS and not STEPS[switches].trains(task):
+        pytest.skip(f"{switches} does not train this task")
+    extra = [word for word in COMBINED_SETS[switches] if word not in ("--task", "causal-lm")]
+    checks_its_estimate(script_path("10"), [*flags, *extra], STEPS["10"].name, tmp_path)

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import QUICK, run_script, script_path
+from conftest import QUICK, load_script, run_script, script_path
 from estimate.check import EstimateCheck, check_estimate, estimate_argv
 from estimate.predict import predict
 
@@ -93,3 +93,17 @@ def test_the_scripts_main_starts_the_check_after_its_flags(step, monkeypatch, tm
                         lambda script, argv, device: started.append(script))
     run_script(step, [*QUICK, "--check-estimate"], tmp_path)
     assert [Path(script).name for script in started] == [script_path(step).name]
+
+
+def test_the_combined_scripts_memory_budget_is_refused_beside_the_check(monkeypatch):
+    """--checkpointing budget:F compiles (as --compile, which the flag's own check refuses): its
+    estimate is a range, so nothing would be checked."""
+    import common.cli
+    monkeypatch.setattr(common.cli, "check_estimate_flag", lambda parser, args: None)
+    combined = load_script("10")
+    args = combined.parse_args("", ["--check-estimate", "--checkpointing", "budget:0.5"],
+                               flags=combined.switches)
+    assert "--check-estimate with --checkpointing budget:F" in combined.refusal(args)
+    args = combined.parse_args("", ["--check-estimate", "--checkpointing", "full"],
+                               flags=combined.switches)
+    assert combined.refusal(args) is None
