@@ -24,7 +24,7 @@ from common.summary import report
 
 def train_step(model, optimizer, inputs, labels, device):
     """One optimizer step on one batch; returns the loss."""
-    inputs, labels = to_device(inputs, device), labels.to(device)
+    inputs, labels = to_device(inputs, device), labels.to(device, non_blocking=True)
     loss = model(**inputs, labels=labels).loss  # its own loss: over classes, or next tokens
     loss.backward()
     optimizer.step()

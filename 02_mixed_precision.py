@@ -26,7 +26,7 @@ from common.summary import report
 
 def train_step(model, optimizer, scaler, inputs, labels, device):  # mixed precision: + scaler
     """One optimizer step on one batch; returns the loss."""
-    inputs, labels = to_device(inputs, device), labels.to(device)
+    inputs, labels = to_device(inputs, device), labels.to(device, non_blocking=True)
     with torch.autocast(device_type=device.type, dtype=torch.float16):  # mixed precision
         loss = model(**inputs, labels=labels).loss  # its own loss: over classes, or next tokens
     scaler.scale(loss).backward()  # scaled up: float16 gradients would underflow

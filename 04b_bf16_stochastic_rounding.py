@@ -73,7 +73,7 @@ class AdamStochasticRounding(torch.optim.Optimizer):  # stochastic rounding
 
 def train_step(model, optimizer, inputs, labels, device):
     """One optimizer step on one batch; returns the loss."""
-    inputs, labels = to_device(inputs, device, DTYPE), labels.to(device)  # bf16-true: bfloat16 images
+    inputs, labels = to_device(inputs, device, DTYPE), labels.to(device, non_blocking=True)  # bf16-true
     loss = model(**inputs, labels=labels).loss  # its own loss: over classes, or next tokens
     loss.backward()
     optimizer.step()

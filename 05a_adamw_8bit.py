@@ -40,7 +40,7 @@ def train_step(model, optimizer, inputs, labels, device, accum_steps):  # gradie
     batch_loss = 0.0
     for micro_inputs, micro_labels in micro_batches:
         micro_inputs = to_device(micro_inputs, device, DTYPE)  # bf16-true: bfloat16 images
-        micro_labels = micro_labels.to(device)
+        micro_labels = micro_labels.to(device, non_blocking=True)
         loss = model(**micro_inputs, labels=micro_labels).loss / len(micro_batches)  # mean over the batch
         loss.backward()
         batch_loss += loss.detach().float()  # the record's loss, summed in float32

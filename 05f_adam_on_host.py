@@ -34,7 +34,7 @@ def train_step(model, optimizer, inputs, labels, device, accum_steps):  # gradie
     batch_loss = 0.0
     for micro_inputs, micro_labels in micro_batches:
         micro_inputs = to_device(micro_inputs, device, DTYPE)  # bf16-true: bfloat16 images
-        micro_labels = micro_labels.to(device)
+        micro_labels = micro_labels.to(device, non_blocking=True)
         loss = model(**micro_inputs, labels=micro_labels).loss / len(micro_batches)  # mean over the batch
         loss.backward()
         batch_loss += loss.detach().float()  # the record's loss, summed in float32
@@ -43,8 +43,8 @@ def train_step(model, optimizer, inputs, labels, device, accum_steps):  # gradie
         if weight.grad is not None:  # the gradient goes out (none: no step), queued: no wait
             host_weight.grad = weight.grad.to(HOST, non_blocking=True)  # into pinned memory
         weight.grad = None  # and is freed on the device
-    if device.type == "cuda":  # Adam on the host: one wait, for all the copies out
-        torch.cuda.synchronize(device)
+    if device.type == "cuda":  # Adam on the host: one wait, for the copies out (queued on this stream)
+        torch.cuda.current_stream(device).synchronize()
     optimizer.step()
     for weight, host_weight in zip(model.parameters(), host_weights):  # Adam on the host
         weight.detach().copy_(host_weight, non_blocking=True)  # the updated weight comes back

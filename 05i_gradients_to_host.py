@@ -71,7 +71,7 @@ def train_step(model, optimizer, to_host, inputs, labels, device,  # gradients t
     batch_loss = 0.0
     for micro_inputs, micro_labels in micro_batches:
         micro_inputs = to_device(micro_inputs, device, DTYPE)  # bf16-true: bfloat16 images
-        micro_labels = micro_labels.to(device)
+        micro_labels = micro_labels.to(device, non_blocking=True)
         loss = model(**micro_inputs, labels=micro_labels).loss / len(micro_batches)  # mean over the batch
         loss.backward()  # gradients to host: each gradient leaves as backward finishes it
         to_host.add_up()  # gradients to host: a wait for the copies, then the sums on the host

@@ -231,7 +231,7 @@ def train_step(model, optimizer, scaler, inputs, labels, device, args, trained, 
     dtype = PRECISIONS[args.precision]
     scale = (lambda loss: loss) if scaler is None else scaler.scale  # mixed precision
     if args.accum_steps == 1:  # the whole batch at once
-        inputs, labels = to_device(inputs, device, dtype), labels.to(device)  # bf16-true: bfloat16 images
+        inputs, labels = to_device(inputs, device, dtype), labels.to(device, non_blocking=True)  # bf16-true
         loss = forward(model, inputs, labels, args, device)
         scale(loss).backward()  # mixed precision: scaled up, float16 gradients would underflow
         if to_host is not None:
@@ -244,7 +244,7 @@ def train_step(model, optimizer, scaler, inputs, labels, device, args, trained, 
         batch_loss = 0.0
         for micro_inputs, micro_labels in micro_batches:
             micro_inputs = to_device(micro_inputs, device, dtype)  # bf16-true: bfloat16 images
-            micro_labels = micro_labels.to(device)
+            micro_labels = micro_labels.to(device, non_blocking=True)
             loss = forward(model, micro_inputs, micro_labels, args, device) / len(micro_batches)
             scale(loss).backward()  # mixed precision
             if to_host is not None:
@@ -591,8 +591,8 @@ def step_on_host(optimizer, weights):  # Adam on the host: gradients out, the st
         if weight.grad is not None:  # Adam on the host: the gradient goes out (none: no step), queued
             host_weight.grad = weight.grad.to(HOST, non_blocking=True)  # Adam on the host: into pinned memory
         weight.grad = None  # Adam on the host: and is freed on the device
-    if weights[0].is_cuda:  # Adam on the host: one wait, for all the copies out
-        torch.cuda.synchronize(weights[0].device)
+    if weights[0].is_cuda:  # Adam on the host: one wait, for the copies out (queued on this stream)
+        torch.cuda.current_stream(weights[0].device).synchronize()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     for weight, host_weight in zip(weights, host_weights):  # Adam on the host

@@ -38,7 +38,7 @@ ADAPTED_BLOCKS = {
                     "its DTYPE",
 }
 ADAPTED_LINES = {
-    "inputs, labels = to_device(inputs, device, dtype), labels.to(device)":
+    "inputs, labels = to_device(inputs, device, dtype), labels.to(device, non_blocking=True)":
         "03's line with the dtype --precision chooses (03: DTYPE)",
     "micro_inputs = to_device(micro_inputs, device, dtype)": "the same (04)",
     "score = evaluate(model, data.val, device, dtype,": "04's line with the dtype --precision "
