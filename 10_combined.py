@@ -31,8 +31,8 @@ from transformers.pytorch_utils import Conv1D  # LoRA: GPT-2's linear layers, we
 
 # --estimate runs main() on fake tensors with stand-ins for these names (no data, no download):
 # keep importing them by name. The list and the reasons: estimate/contract.py.
-from common.cli import (check_batch_split, checkpointing_kind, compiler_problem, parse_args, positive_float,
-                        positive_int, true_or_false)
+from common.cli import (add_shared_flags, check_batch_split, checkpointing_kind, compiler_problem,
+                        parse_args, positive_float, positive_int, true_or_false)
 from common.data import IGNORED, load_data, split_batch, to_device  # chunked loss: IGNORED
 from common.distributed import end_distributed, init_distributed
 from common.evaluate import evaluate
@@ -307,15 +307,19 @@ def switches(parser):
     parser.add_argument("--offload", action="store_true",
                         help="FSDP with parameters, gradients and optimizer state in host "
                              "memory (08); alone, a group of one process")
+    add_shared_flags(parser, ["--world-size"],  # the processes --estimate assumes (as 07-09's)
+                     {"--world-size": (None, "WORLD_SIZE, or 1")})
     parser.add_argument("--reshard-after-forward", type=true_or_false, metavar="{true,false}",
                         help="when sharded: true (default, ZeRO-3) frees each block's gathered "
                              "weights after forward; false (ZeRO-2's memory) keeps them (07)")
 
 
 def launched_sharded(args):
-    """Whether the run shards the model (07-09): under torchrun (or with WORLD_SIZE set for the
-    estimate), or with --offload, which runs alone as a group of one."""
-    return args.offload or "WORLD_SIZE" in os.environ
+    """Whether the run shards the model (07-09): under torchrun (which sets RANK and WORLD_SIZE;
+    the estimate runs as its process 0), alone with WORLD_SIZE=1 (a group of one, as 07-09 run
+    alone), or with --offload, which runs alone as a group of one."""
+    world = os.environ.get("WORLD_SIZE")
+    return args.offload or world is not None and ("RANK" in os.environ or world == "1")
 
 
 def refusal(args):
@@ -404,6 +408,11 @@ def refusal(args):
     if args.lora_rank and launched_sharded(args):
         return (f"--lora-rank with {sharded}: the sharded model is filled from the preset's "
                 "model parameter by parameter, and the adapters are not in it")
+    world = os.environ.get("WORLD_SIZE")
+    if world not in (None, "1") and "RANK" not in os.environ and not args.estimate:
+        return (f"WORLD_SIZE={world} is set, but no launcher started this process (torchrun sets "
+                f"RANK too): unset WORLD_SIZE to train in one process, or start it with torchrun "
+                f"--nproc_per_node={world}")
     if args.check_estimate and args.checkpointing.startswith("budget:"):
         return ("--check-estimate with --checkpointing budget:F: the budget compiles the model, "
                 "whose estimate is a range (estimate/compiled.py), so nothing would be checked; "

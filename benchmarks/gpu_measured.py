@@ -169,12 +169,16 @@ def main():
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("part", choices=["measure", "compare", "checked"])
     parser.add_argument("folder", type=Path)
-    parser.add_argument("--jobs", type=int, default=4)
+    parser.add_argument("--jobs", type=int,
+                        help="runs at a time (default: 4; 1 with --at-scale, whose runs each fill "
+                             "tens of GB: near the GPU's limit the allocator frees its cache and "
+                             "the reserved figures fall)")
     parser.add_argument("--gpu", default="h100", help="the GPU the estimate emulates (compare)")
     parser.add_argument("--at-scale", action="store_true",
                         help="the studies' models and batches on random data (AT_SCALE)")
     args = parser.parse_args()
     start = time.perf_counter()
+    args.jobs = args.jobs or (1 if args.at_scale else 4)
     if args.part == "measure":
         measure(args.folder, args.jobs, args.at_scale)
     elif args.part == "checked":

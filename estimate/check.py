@@ -74,8 +74,8 @@ class EstimateCheck:
                    self.gpu, "--results-dir", self.folder.name]
         environment = {name: value for name, value in os.environ.items()
                        if name not in LAUNCHER_VARIABLES}
-        if world_size > 1:  # the processes the estimate emulates (10 shards when it is set)
-            environment["WORLD_SIZE"] = str(world_size)
+        if "WORLD_SIZE" in os.environ:  # the processes the estimate emulates (torchrun's, 1 too:
+            environment["WORLD_SIZE"] = str(world_size)  # 10 then shards as a group of one)
         environment["CUDA_VISIBLE_DEVICES"] = ""  # the estimate needs no GPU: it leaves this one be
         environment["OMP_NUM_THREADS"] = "1"  # and takes as little of the CPU from training
         self.process = subprocess.Popen(command, env=environment, stdout=subprocess.PIPE,

@@ -196,6 +196,7 @@ def fake_run(script_path, argv, world_size, gpu, any_batch_size, every_micro_bat
         stack.enter_context(quantization_maps_computed_once())
         stack.enter_context(run.trace.recording())
         stack.enter_context(process_group_only_through_init_distributed(Path(script_path).name))
+        stack.enter_context(launched_as(world_size))
         messages = io.StringIO()
         try:
             with redirect_stderr(messages):
@@ -219,6 +220,26 @@ def fake_run(script_path, argv, world_size, gpu, any_batch_size, every_micro_bat
         raise EstimateError(f"{run.script}'s MemoryMeter tracked nothing: its tracker_factory must "
                             "make a MemTracker (or FSDPMemTracker), whose counts the estimate reads")
     return run
+
+
+@contextmanager
+def launched_as(world_size):
+    """While inside, with more than one process, the environment of torchrun's process 0 (RANK,
+    LOCAL_RANK, WORLD_SIZE), which 10_combined.py reads to shard; as it was on leaving."""
+    if world_size == 1:
+        yield
+        return
+    names = ("RANK", "LOCAL_RANK", "WORLD_SIZE")
+    before = {name: os.environ.get(name) for name in names}
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE=str(world_size))
+    try:
+        yield
+    finally:
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def world_size_from_environment():

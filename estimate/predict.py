@@ -64,7 +64,7 @@ def run_for(row):
     if wants_cuda_emulation(argv) and not (exact or snapshot or compiles(script_path, argv)):
         try:  # from runs of a few periods of the model's blocks (probes.py), where they repeat
             run = run_by_blocks(script_path, argv, world_size, gpu, any_batch_size,
-                                sharded=shards(script_path))
+                                sharded=shards(script_path, argv, world_size))
         except Exception:  # noqa: BLE001 - NotByBlocks, or a probe's failure: run it whole
             if os.environ.get("ESTIMATE_TRACEBACK"):
                 traceback.print_exc()
@@ -159,13 +159,15 @@ def compiles(script_path, argv):
     return always or "--compile" in argv or any("budget:" in arg for arg in argv)
 
 
-def shards(script_path):
-    """Whether steps.py's entry for the script shards the model (a copy of a script, under
-    another name, has none: False)."""
+def shards(script_path, argv=(), world_size=1):
+    """Whether the run shards the model: steps.py's entry says so (07-09), or the combined
+    script is sharded by its flags (--offload) or its processes (a copy of a script, under
+    another name, has no entry: False)."""
     try:
-        return step_of(script_path).sharded
+        step = step_of(script_path)
     except KeyError:
         return False
+    return step.sharded or step.combined and ("--offload" in argv or world_size > 1)
 
 
 def failure_message(error, script, argv=()):

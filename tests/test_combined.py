@@ -6,6 +6,7 @@ import gc
 import io
 import itertools
 import math
+import os
 import sys
 import tokenize
 
@@ -549,3 +550,21 @@ def test_every_listed_adaptation_is_needed():
     foreign = {code for _, _, code in foreign_code(script_path(COMBINED), {}, {})}
     assert set(ADAPTED_LINES) <= foreign
     assert {f"{name} differs" for name in ADAPTED_BLOCKS} <= {code.split(" from ")[0] for code in foreign}
+
+
+def test_a_stray_world_size_is_refused_and_the_estimate_shards_over_world_size(monkeypatch, tmp_path):
+    """WORLD_SIZE=2 left in the environment without a launcher (no RANK) would train one process
+    as a group of one: refused with what to do; WORLD_SIZE=1 alone still asks for a group of one.
+    --world-size N is the processes the estimate assumes, as 07-09 take it."""
+    combined = load_script(COMBINED)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.delenv("RANK", raising=False)
+    with pytest.raises(SystemExit, match="WORLD_SIZE=2 is set, but no launcher started this process"):
+        combined.main([*QUICK, "--results-dir", str(tmp_path)])
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert combined.launched_sharded(combined.parse_args("", QUICK, flags=combined.switches))
+    monkeypatch.delenv("WORLD_SIZE")
+    from estimate.predict import predict
+    record = predict(script_path(COMBINED), ["--accum-steps", "2", "--optimizer", "sgd"], world_size=2)
+    assert record["world_size"] == 2 and record["reshard_after_forward"] is True
+    assert "WORLD_SIZE" not in os.environ  # as it was

@@ -77,6 +77,9 @@ def test_under_torchrun_the_estimate_is_told_the_world_size_and_nothing_of_the_l
     assert "RANK" not in started["env"] and "MASTER_PORT" not in started["env"]
     assert started["command"][2:] == ["--offload", "--estimate", "--gpu", "a100", "--results-dir",
                                       started["command"][-1]]
+    monkeypatch.setenv("WORLD_SIZE", "1")  # torchrun --nproc-per-node 1: 10 shards, a group of one
+    check_estimate(script_path("10"), [], torch.device("cuda")).stop()
+    assert started["env"]["WORLD_SIZE"] == "1"
     monkeypatch.setenv("RANK", "1")  # the other processes start none
     assert check_estimate(script_path("10"), [], torch.device("cuda")) is None
 

@@ -30,7 +30,7 @@ def parsed(combined, words, world_size=1):
     launch = ["python", "10_combined.py"] if world_size == 1 else [
         "torchrun", f"--nproc_per_node={world_size}", "10_combined.py"]
     assert words[:len(launch)] == launch
-    env = {"WORLD_SIZE": str(world_size)} if world_size > 1 else {}
+    env = {"WORLD_SIZE": str(world_size), "RANK": "0"} if world_size > 1 else {}  # torchrun's
     with mock.patch.dict(os.environ, env):
         if world_size == 1:
             os.environ.pop("WORLD_SIZE", None)
