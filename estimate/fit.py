@@ -94,6 +94,16 @@ def search(script, base_argv, world_size, capacity, accumulates, known=None, gpu
     (the table's asked row). Where the runs make no family of sizes, every size tried is
     estimated (search_by_estimates), the runs made so far counted."""
     found = Fit(script.stem, accumulates, capacity=capacity, tried=dict(known or {}))
+    if cap < SMALLEST:  # one sample a process is the whole batch (8 on 8 GPUs): nothing to search
+        if 1 not in found.tried:
+            record, problem, _ = attempt(micro_row(script, base_argv, world_size, 1, accumulates, gpu))
+            if problem:
+                found.problem = problem
+                return found
+            found.tried[1] = (record["allocated_bytes"], record["reserved_bytes"])
+        found.largest = 1 if found.tried[1][1] <= capacity else None
+        found.capped = found.largest is not None
+        return found
     runs = {}
     for micro in found.tried:
         row = (known_rows or {}).get(micro) or micro_row(script, base_argv, world_size, micro,

@@ -85,6 +85,21 @@ CHAIN = (
          "the weights up twice per micro-batch, gradients down (6 bytes a parameter) and Adam "
          "on the host", group=4, sharded=True, gives_back="the model's loss, Adam, accumulation again"),
 )
+# With several GPUs (--world-size N above 1) the walk first shards, Adam exact: 10_combined.py
+# under torchrun splits parameters, gradients and Adam's state N ways (07), then recomputes
+# activations as 09 does; only where none of these fits does it walk CHAIN, whose last link
+# shards again with everything on the host. Their cost is the interconnect's: the weights
+# gathered in forward and again in backward, the gradients reduce-scattered, each (N-1)/N of
+# 2 bytes a parameter a micro-batch.
+SHARDED_CHAIN = (
+    Link("FSDP", (), "the weights gathered twice and the gradients reduce-scattered each "
+         "micro-batch ((N-1)/N x 6 bytes a parameter over the interconnect); Adam exact",
+         sharded=True),
+    Link("FSDP, selective checkpointing", (("--checkpointing", "selective"),),
+         "as FSDP, and the element-wise operators again", sharded=True),
+    Link("FSDP, full checkpointing", (("--checkpointing", "full"),),
+         "as FSDP, and the blocks' forward again (09)", sharded=True),
+)
 ADAPTERS = ((("--lora-rank", "8"),), (("--lora-rank", "8"), ("--qlora", True)))
 ACTIVATION_FLAGS = ("--loss", "--checkpointing")
 
@@ -174,15 +189,16 @@ STATE_BYTES = {"adam": 2 * WEIGHT_BYTES,  # Adam's two moments, in the weights' 
                "adamw-4bit": 1 + 8 / 128}  # two of half a byte, a float32 scale per 128 weights each
 
 
-def resident_bytes(switches, parameters):
+def resident_bytes(switches, parameters, world_size=1):
     """A floor under a prefix's peak: the weights and the optimizer's state, which stay on the
     GPU through every step of the run (no state under --optimizer-on-host, neither under
-    --offload); a prefix whose floor exceeds the GPU is not estimated."""
+    --offload; a `world_size`-th of them when sharded); a prefix whose floor exceeds the GPU is
+    not estimated."""
     chosen = dict(switches)
     if chosen.get("--offload"):
         return 0
     state = 0 if chosen.get("--optimizer-on-host") else STATE_BYTES[chosen.get("--optimizer", "adam")]
-    return parameters * (WEIGHT_BYTES + state)
+    return parameters * (WEIGHT_BYTES + state) // world_size
 
 
 def walk(script, base_argv, batch_size, world_size, capacity, task, gpu, report=print, jobs=1,
@@ -192,11 +208,12 @@ def walk(script, base_argv, batch_size, world_size, capacity, task, gpu, report=
     flags without --batch-size. Up to `jobs` prefixes are estimated at a time, in chain order;
     with the model's `parameters`, a prefix whose resident_bytes exceed `capacity` is not."""
     answer, plans = Answer(parameters=parameters), []
-    for link, switches, notes in prefixes(task, seconds):
+    sharded_first = [(link, list(link.sets), []) for link in SHARDED_CHAIN] if world_size > 1 else []
+    for link, switches, notes in [*sharded_first, *prefixes(task, seconds)]:
         if switches is None:
             plans.append((link, None, notes, None))
             continue
-        floor = resident_bytes(switches, parameters)
+        floor = resident_bytes(switches, parameters, world_size if link.sharded else 1)
         if floor > capacity:
             plans.append((link, switches, notes, f"not estimated: its weights and optimizer "
                                                  f"state alone hold {size_text(floor)}"))
@@ -311,8 +328,14 @@ def chain_text(task, parameters, tokens, shape, world_size):
              f"PCIe {COST['pcie_bytes_per_s'] / 1e9:.0f} GB/s, host {COST['host_bytes_per_s'] / 1e9:.0f} "
              f"GB/s; seconds added to a step of {tokens} tokens, a plain step "
              f"{6 * parameters * tokens / COST['gpu_flops']:.3g} s):"]
+    if world_size > 1:
+        lines.append(f"  sharded over {world_size} GPUs first, Adam exact (10_combined.py under "
+                     f"torchrun --nproc_per_node={world_size}):")
+        lines += [f"  {number}. {link.name}: {' '.join(argv_of(link.sets)) or '(none)'}; {link.cost}"
+                  for number, link in enumerate(SHARDED_CHAIN, 1)]
     group = None
-    for number, (link, switches, notes) in enumerate(prefixes(task, seconds), 1):
+    for number, (link, switches, notes) in enumerate(prefixes(task, seconds),
+                                                     1 + (len(SHARDED_CHAIN) if world_size > 1 else 0)):
         if link.group != group:
             group = link.group
             lines.append(f"  {GROUPS[group]}:")

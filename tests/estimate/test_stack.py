@@ -295,3 +295,20 @@ def test_each_link_sets_switches_of_10_that_a_script_trains_with(combined):
                                     flags=combined.switches)  # a value 10 takes
                 assert (flag, value) in trained, \
                     f"link {link.name!r}: {flag} {value} is no step's switch (steps.py)"
+
+
+def test_on_several_gpus_the_stack_shards_first_keeping_adam_exact(combined):
+    """--world-size 2: the first prefix is 10 under torchrun, every process holding half the
+    weights, gradients and Adam's state; its command trains (10's own checks, as torchrun's
+    process 0) and shards; one sample a process is the whole batch: nothing to search."""
+    answer = stack.walk(COMBINED, BASE, 2, 2, 10**12, "causal-lm", "a100", report=lambda _: None)
+    assert answer.link.name == "FSDP" and answer.world_size == 2 and answer.switches == []
+    assert answer.fit.largest == 1 and answer.fit.capped
+    shown = [word for word in BASE if word not in ("--device", "cuda")]  # as the answer prints it
+    words = shlex.split(stack.command(shown, 2, answer.switches, answer.fit, answer.world_size))
+    args, problem = parsed(combined, words, world_size=2)
+    assert problem is None and "--optimizer" not in words
+    with mock.patch.dict(os.environ, {"WORLD_SIZE": "2", "RANK": "0"}):
+        assert combined.launched_sharded(args)
+    one_gpu = stack.walk(COMBINED, BASE, 2, 1, 10**12, "causal-lm", "a100", report=lambda _: None)
+    assert one_gpu.link.name == "bf16" and one_gpu.world_size == 1
