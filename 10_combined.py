@@ -847,9 +847,14 @@ def add_adapters(model, rank, alpha, targets=None):  # LoRA
                                      f"a --lora-rank well below {width}, such as 8")
                 setattr(block.get_submodule(parent), attribute, LoRALinear(module, rank, alpha))
                 adapted.append(attribute)
+    if not adapted and targets:  # say the names there are
+        found = sorted({name.rpartition(".")[2] for block in transformer_blocks(model)
+                        for name, module in block.named_modules()
+                        if isinstance(module, (torch.nn.Linear, Conv1D))})
+        raise SystemExit(f"error: no linear layer in the model's blocks is named {' or '.join(targets)}; "
+                         f"theirs are named {' '.join(found)}: --lora-targets takes those")
     if not adapted:
-        raise SystemExit(f"error: no linear layer in the model's blocks is named {' or '.join(targets)}"
-                         if targets else "error: the model's blocks have no linear layer for LoRA to "
+        raise SystemExit("error: the model's blocks have no linear layer for LoRA to "
                          "adapt (a convolutional network's have none): train it without --lora-rank")
     classification_head(model).requires_grad_(True)  # a new head (a classifier's) trains in full
     return sorted(set(adapted))

@@ -10,6 +10,7 @@ model has them (a Hub id, or a directory holding weights), and otherwise draws n
 """
 import dataclasses
 import functools
+import json
 from pathlib import Path
 
 from transformers import AutoConfig
@@ -86,6 +87,11 @@ def read_config(name_or_dir):
                     f"--model {name_or_dir}: the directory has no config.json. Name a directory "
                     "that holds a Hugging Face model's config.json (its weights are optional), "
                     "or a Hub id such as google-bert/bert-base-uncased")
+            try:
+                json.loads((path / "config.json").read_text())
+            except ValueError as error:  # (transformers would blame the Hub, not the file)
+                raise ModelProblem(f"--model {name_or_dir}: its config.json is not valid JSON "
+                                   f"({error}): fix or replace the file") from None
             config = AutoConfig.from_pretrained(path)
             return config, any((path / name).is_file() for name in WEIGHT_FILES)
         if path.exists() or name_or_dir.startswith((".", "/", "~")) or name_or_dir.count("/") > 1:
@@ -129,6 +135,9 @@ def with_model(preset, name_or_dir, seq_len=None, image_size=None, num_labels=No
     classes."""
     config, has_weights = read_config(name_or_dir)
     task = task_of(config.model_type)
+    if preset.task == "causal-lm" and num_labels:
+        raise ModelProblem(f"--num-labels {num_labels}: --task causal-lm predicts each next token "
+                           "over the model's vocabulary, not classes: leave --num-labels out")
     if preset.task == "causal-lm":
         problem = decoder_problem(name_or_dir, config)
         if problem:
@@ -169,6 +178,12 @@ def with_model(preset, name_or_dir, seq_len=None, image_size=None, num_labels=No
             arguments["pad_token_id"] = eos[0] if isinstance(eos, list) else eos
     else:
         changes["image_size"] = image_size or getattr(config, "image_size", None) or preset.image_size
+        patch = getattr(config, "patch_size", None)
+        if isinstance(patch, int) and changes["image_size"] % patch:  # a remainder is dropped
+            size, fits = changes["image_size"], max(patch, changes["image_size"] // patch * patch)
+            raise ModelProblem(f"--image-size {size}: {name_or_dir} cuts each image into patches "
+                               f"of {patch} x {patch} pixels, so its size must be a multiple of "
+                               f"{patch}: ask for --image-size {fits}")
         if image_size and "image_size" in arguments:  # ViT's position embeddings follow it (new
             arguments["image_size"] = image_size       # ones, when pretrained ones do not fit)
     return dataclasses.replace(preset, **changes)

@@ -1,6 +1,7 @@
 """The command line every numbered script shares, with checks that say what was wrong."""
 import argparse
 import importlib.util
+import math
 import os
 import signal
 import sys
@@ -36,6 +37,19 @@ def positive_float(text):
         raise argparse.ArgumentTypeError(f"expected a number, got {text!r}")
     if not value > 0:
         raise argparse.ArgumentTypeError(f"must be positive, got {text}")
+    if math.isinf(value):  # (1e400 reads as infinity too): a rate of inf trains to NaN
+        raise argparse.ArgumentTypeError(f"must be a finite number, got {text}")
+    return value
+
+
+def seed(text):
+    """--seed: a whole number from 0 to 2**63 - 1, as torch.manual_seed takes it."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}")
+    if not 0 <= value < 2**63:
+        raise argparse.ArgumentTypeError(f"must be from 0 to {2**63 - 1}, got {text}")
     return value
 
 
@@ -68,6 +82,9 @@ def unwritable(directory):
     """Why a file cannot be written in --results-dir `directory` (created if missing), in words
     that say what to do, or None: checked before any training, so that a long run never ends
     unable to write its record."""
+    if not directory.strip():
+        return ("--results-dir is empty: name a directory for the record (default: results), "
+                "or leave the flag out")
     path = Path(directory)
     try:
         if path.exists() and not path.is_dir():
@@ -183,7 +200,7 @@ def parse_args(description, argv=None, task=None, flags=None):
         "--preset": (None, "tiny; tiny-text under --task causal-lm, or for a --model of text"),
         "--task": (task or "classification", task or "classification")})
     parser.add_argument("--lr", type=positive_float, help="learning rate (default: the preset's)")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=seed, default=0)
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
                         help="auto: cuda if available, else cpu")
     parser.add_argument("--results-dir", default="results", help="where the JSON record goes")
@@ -225,7 +242,7 @@ def parse_args(description, argv=None, task=None, flags=None):
     except ValueError as problem:
         parser.error(str(problem))
     if args.model is not None:
-        preset = model_preset(parser, args, given)
+        preset = model_preset(parser, args, given, only_task=task)
     elif args.seq_len or args.image_size or args.num_labels:
         parser.error("--seq-len, --image-size and --num-labels shape the model named by --model; "
                      "the presets have their own (add --model NAME_OR_DIR)")
@@ -259,7 +276,10 @@ def parse_args(description, argv=None, task=None, flags=None):
                          "common/memory.py")
         problem = compiler_problem(args.device)
         if problem:
-            parser.error(f"--compile: {problem}; or run without --compile")
+            parser.error(f"--compile: {problem}; " + (
+                "this script always compiles (its technique is the compiler's): run its parent "
+                "for a run without the compiler" if parser.get_default("compile")
+                else "or run without --compile"))
     return args
 
 
@@ -292,6 +312,16 @@ def check_snapshot(parser, args):
     if not (folder.is_dir() and os.access(folder, os.W_OK)):
         parser.error(f"--memory-snapshot {args.memory_snapshot}: cannot write in {folder} (no "
                      "such folder, or not writable); name a file in a folder that is")
+    for path in (Path(args.memory_snapshot), Path(f"{args.memory_snapshot}.png")):  # (and its picture)
+        try:  # written for real, before the run: a file that cannot be (read-only) says so now
+            existed = path.exists()
+            with open(path, "ab"):
+                pass
+            if not existed:
+                path.unlink()
+        except OSError as error:
+            parser.error(f"--memory-snapshot {args.memory_snapshot}: cannot write {path} "
+                         f"({error.strerror or error}); name a file that can be written")
     if args.estimate and args.device == "cpu":
         parser.error("--memory-snapshot with --estimate writes the emulated GPU's snapshot, and "
                      "--device cpu asks for the CPU's count: leave --device cpu out")
@@ -303,7 +333,7 @@ def check_snapshot(parser, args):
         common.memory.SNAPSHOT_FILE = args.memory_snapshot  # the meter records the tracked steps
 
 
-def model_preset(parser, args, given):
+def model_preset(parser, args, given, only_task=None):
     """Check --model and the flags that shape it; pick the preset of its task (tiny or
     tiny-text) when --preset was not given. Stops with a message on any problem."""
     from common.any_model import ModelProblem, read_config, task_of, with_model
@@ -328,7 +358,11 @@ def model_preset(parser, args, given):
         model_preset = with_model(preset, args.model, args.seq_len, args.image_size,
                                   args.num_labels)
     except ModelProblem as problem:
-        parser.error(str(problem))
+        said = str(problem)
+        if only_task is not None:  # (05g, 05h: no classifier to fall back on)
+            said = said.replace(", or leave --task out to train it as a classifier",
+                                f"; this script trains --task {only_task} only")
+        parser.error(said)
     if not args.estimate and model_preset.num_classes < preset.num_classes:
         parser.error(f"--num-labels {args.num_labels}: the data of preset {args.preset} has "
                      f"{preset.num_classes} classes; training needs at least as many")

@@ -6,11 +6,13 @@ import resource
 import sys
 import time
 from concurrent.futures import as_completed
-from contextlib import contextmanager, redirect_stdout
+from contextlib import contextmanager, redirect_stderr, redirect_stdout
+from pathlib import Path
 
 import estimate
 from common.cli import add_shared_flags, parse_args, positive_int, unwritable
 from common.presets import PRESETS
+from estimate import records
 from estimate.fit import fit_table, parse_size, search_all, without_batch_flags
 from estimate.gpu_choices import DEFAULT_GPU, GPUS, gpu_problem
 from estimate.predict import EXACT_VARIABLE, Row, attempt, compiles, took_text
@@ -70,7 +72,7 @@ def run_rows(rows, jobs):
     outcomes = [None] * len(rows)
     # the workers share the imports; the longest rows start first
     with worker_pool(jobs, lambda: f"after {sum(map(bool, outcomes))} of {len(rows)} estimates: "
-                     "no table, and results/estimate.json is as it was") as pool:
+                     f"no table, and {records.KEPT} is as it was") as pool:
         pending = {pool.submit(attempt, rows[index]): index for index in
                    sorted(range(len(rows)), key=lambda index: -expected_work(rows[index]))}
         for done, future in enumerate(as_completed(pending)):
@@ -151,7 +153,13 @@ def parse_table_args(argv):
     parser.add_argument("--exact", action="store_true",
                         help="run every micro-batch of each row, not two (the same bytes, slower: "
                              "a check)")
-    args = parser.parse_args(argv)
+    words = list(sys.argv[1:] if argv is None else argv)
+    for index, word in enumerate(words[:-1]):  # a negative size reads as a flag: take it whole,
+        if word == "--gpu-memory" and words[index + 1].startswith("-"):  # and say what is wrong
+            words[index:index + 2] = [f"--gpu-memory={words[index + 1]}"]
+            break
+    args = parser.parse_args(words)
+    records.KEPT = Path(args.results_dir) / records.ESTIMATE_FILE
     # the stack runs one GPU unless --world-size is given (the table's default is 4)
     args.stack_world_size = args.world_size if any(
         word.startswith("--world-size") for word in (sys.argv[1:] if argv is None else argv)) else 1
@@ -188,8 +196,15 @@ def model_flags(args):
     if args.preset is None and args.model is None:
         args.preset = "article" if args.task == "classification" else "imdb"
     preset = ["--preset", args.preset] if args.preset else []
-    args.preset = parse_args("", [*flags, *preset, "--estimate",
-                                  "--results-dir", args.results_dir]).preset
+    said = io.StringIO()
+    try:  # checked as a script checks them; said as python -m estimate's own error
+        with redirect_stderr(said):
+            args.preset = parse_args("", [*flags, *preset, "--estimate",
+                                          "--results-dir", args.results_dir]).preset
+    except SystemExit:
+        lines = said.getvalue().strip().splitlines() or ["error: the flags were refused"]
+        print(f"python -m estimate: error: {lines[-1].split('error: ', 1)[-1]}", file=sys.stderr)
+        raise SystemExit(2) from None
     if args.batch_size is not None:
         flags += ["--batch-size", str(args.batch_size)]
     return flags

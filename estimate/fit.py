@@ -27,7 +27,7 @@ import sys
 from concurrent.futures import as_completed
 from dataclasses import dataclass, field
 
-from estimate import cache
+from estimate import cache, records
 from estimate.gpu_choices import DEFAULT_GPU
 from estimate.predict import Row, attempt, attempt_run, compiles, record_of, replayed
 from estimate.records import GB, size_text
@@ -378,7 +378,7 @@ def search_all(rows, outcomes, capacity, jobs, accumulates):
     bar = ProgressBar(len(tasks), "scripts searched")
     if jobs > 1 and len(tasks) > 1:
         with worker_pool(jobs, lambda: "during the --gpu-memory search: no table of what fits, "
-                         "and results/estimate.json is as it was") as pool:
+                         f"and {records.KEPT} is as it was") as pool:
             futures = [pool.submit(search, *task) for task, _ in tasks]
             print(started, flush=True)  # (Ctrl-C from here on: the pool's message)
             for future in as_completed(futures):

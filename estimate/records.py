@@ -18,6 +18,7 @@ from estimate.published import STUDY_RESERVED_GB
 from steps import with_parent
 
 ESTIMATE_FILE = "estimate.json"
+KEPT = Path("results") / ESTIMATE_FILE  # python -m estimate's (its --results-dir): said on Ctrl-C
 GB = 10**9   # the study published decimal gigabytes
 MIB = 2**20
 PER_PARAMETER = "model state B/param"  # tables' column of model_state_bytes_per_parameter

@@ -398,6 +398,11 @@ def parse_args(argv=None, scripts_dir=None):
     # seconds, after seconds of starting Python and importing, which two overlap
     args.side_by_side = not (args.one_at_a_time or args.publish or args.device == "cuda"
                              or (args.device == "auto" and torch.cuda.is_available()))
+    if args.publish is not None:  # checked before the first step, as the scripts check --results-dir
+        from common.cli import unwritable
+        problem = unwritable(str(args.publish))
+        if problem:
+            parser.error(problem.replace("--results-dir", "--publish", 1))
     sharded = [script for script in args.scripts if step_of(script).sharded]
     split = (PRESETS[args.preset].batch_size, step_of(sharded[0]).accum_steps if sharded else 1)
     try:
