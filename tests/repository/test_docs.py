@@ -325,6 +325,16 @@ def test_the_table_of_each_scripts_tests_is_the_one_the_tests_sources_give():
     assert shown == table(), "docs/development.md: run python tests/support/script_tests.py"
 
 
+def test_the_table_of_what_a_copy_needs_is_the_one_the_scripts_imports_give():
+    from support.copy_needs import table
+    development = (ROOT / "docs" / "development.md").read_text()
+    shown = development.split("<!-- copy needs -->\n")[1].split("\n<!-- /copy needs -->")[0]
+    assert shown == table(), "docs/development.md: run python tests/support/copy_needs.py"
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    counts = [int(line.split(" | ")[1].replace(",", "")) for line in table().splitlines()[2:]]
+    assert f"{min(counts):,} to {max(counts):,} lines" in readme
+
+
 CITED = re.compile(r"(?<![\w/.])((?:tests|common|estimate|tour|benchmarks|docs)/[\w/.-]*\w"
                    r"\.(?:py|md|png|json))")
 

@@ -17,6 +17,7 @@ import pytest
 
 from conftest import QUICK, ROOT, load_script, script_path
 from steps import STEPS, scripts, step_id
+from support.copy_needs import common_imported, imported_by
 from support.tags import TAGS, has_tag, switch_pairs
 
 # the tag each step puts on the lines it adds (steps.py; also listed in the README)
@@ -130,7 +131,7 @@ COPIED = ["common"]  # what README's "Copying a script" says to copy beside the 
 def test_the_readme_says_to_copy_the_script_and_common_alone():
     readme = (ROOT / "README.md").read_text()
     section = readme.split("## Copying a script", 1)[1].split("\n## ", 1)[0]
-    assert "Copy the script and the folder `common/`" in " ".join(section.split())
+    assert "Copy the script and `common/`" in " ".join(section.split())
 
 
 def test_common_imports_neither_the_estimator_nor_the_tour_at_the_top():
@@ -141,35 +142,6 @@ def test_common_imports_neither_the_estimator_nor_the_tour_at_the_top():
         names = [alias.name for node in top for alias in node.names] + [
             node.module for node in top if isinstance(node, ast.ImportFrom) and node.module]
         assert not [name for name in names if name.split(".")[0] in ("estimate", "tour")], path
-
-
-def imported_by(path, every_import=True):
-    """The modules `path` imports: everywhere in it, or only at its top; packages outside this
-    repository by their top-level name, the Python standard library left out."""
-    found = set()
-    nodes = ast.walk(ast.parse(path.read_text())) if every_import else ast.parse(path.read_text()).body
-    for node in nodes:
-        if isinstance(node, ast.Import):
-            found.update(alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module:
-            found.add(node.module)
-    return {name if name.startswith("common.") else name.split(".")[0] for name in found
-            if name.split(".")[0] not in sys.stdlib_module_names}
-
-
-def common_imported(modules):
-    """`modules` and every common/ module they import at their top, in turn (the package's own
-    __init__ runs first: what it imports too)."""
-    found, todo = set(), [name for name in modules if name.startswith("common.")]
-    todo += ["common.__init__"] if todo else []
-    while todo:
-        name = todo.pop()
-        if name not in found:
-            found.add(name)
-            path = ROOT / "common" / f"{name.removeprefix('common.')}.py"
-            todo += [other for other in imported_by(path, every_import=False)
-                     if other.startswith("common.")]
-    return found - {"common.__init__"}
 
 
 def ticked(text):
