@@ -136,6 +136,9 @@ def parse_table_args(argv):
                              "24GiB) and the largest batch or micro-batch that does")
     add_shared_flags(parser, ["--world-size", "--gpu"], {"--world-size": (4, "4"),
                                                          "--gpu": (None, DEFAULT_GPU)})
+    parser.add_argument("--host-memory", metavar="SIZE",
+                        help="with --gpu-memory: the host memory of one machine; a stack whose "
+                             "offloaded state needs more is passed over (default: no limit)")
     parser.add_argument("--stack-only", action="store_true",
                         help="with --gpu-memory: only the stack (10_combined.py's switches that "
                              "fit), without the table of every script")
@@ -173,10 +176,13 @@ def parse_table_args(argv):
     if args.gpu_memory is not None:
         try:
             args.capacity = parse_size(args.gpu_memory)
+            args.host_capacity = args.host_memory and parse_size(args.host_memory)
         except ValueError as error:
             parser.error(str(error))
         if args.device != "cuda":
             parser.error("--gpu-memory asks what fits on a GPU: leave --device cpu out")
+    elif args.host_memory:
+        parser.error("--host-memory limits the stack's answer to --gpu-memory SIZE: add it")
     elif args.stack_only:
         parser.error("--stack-only answers --gpu-memory SIZE: add it (for example 24GB)")
     return args
@@ -322,6 +328,6 @@ def the_stack(args, flags):
     answer, adapters = stack.answer_all(combined, base, batch_size, args.stack_world_size,
                                         args.capacity, args.task, args.gpu, args.jobs,
                                         seconds=stack.chain_seconds(parameters, tokens, shape),
-                                        parameters=parameters)
+                                        parameters=parameters, host_capacity=args.host_capacity)
     return (stack.chain_text(args.task, parameters, tokens, shape, args.stack_world_size),
             stack.stack_text(answer, shown, batch_size, args.capacity, args.gpu_memory, adapters))

@@ -181,6 +181,7 @@ class Answer:
     parameters: int = 0  # the model's, from the first estimate (for the cost model)
     tried: list = field(default_factory=list)  # (link, switches, notes, reserved or problem)
     search: tuple = ()  # search()'s arguments for the prefix that fits
+    host_bytes: int = 0  # the host memory a process of the answer holds (--offload's shards)
 
 
 WEIGHT_BYTES = 2  # a parameter's bytes: the chain trains 10_combined.py's bfloat16 weights
@@ -202,7 +203,7 @@ def resident_bytes(switches, parameters, world_size=1):
 
 
 def walk(script, base_argv, batch_size, world_size, capacity, task, gpu, report=print, jobs=1,
-         searched=True, seconds=None, parameters=0):
+         searched=True, seconds=None, parameters=0, host_capacity=None):
     """The first prefix of CHAIN whose run fits `batch_size` in `capacity`, searched (unless not
     `searched`) for its largest micro-batch per GPU, up to the batch; `base_argv`: the model's
     flags without --batch-size. Up to `jobs` prefixes are estimated at a time, in chain order;
@@ -242,8 +243,15 @@ def walk(script, base_argv, batch_size, world_size, capacity, task, gpu, report=
                + f" ({took_text(took)})")
         if record is None or reserved > capacity or batch_size % world:
             continue
+        host = record["host_bytes"] * world  # the processes of one machine
+        if host_capacity is not None and host > host_capacity:
+            report(f"[stack] {link.name}: needs {size_text(host)} of host memory, above "
+                   f"--host-memory ({size_text(host_capacity)})")
+            answer.tried[-1] = (link, switches, notes, f"needs {size_text(host)} of host memory")
+            continue
         outcomes.close()  # the later prefixes are not needed: their estimates stop
         answer.link, answer.switches, answer.world_size = link, switches, world
+        answer.host_bytes = record["host_bytes"]
         answer.search = (script, argv, world, capacity, accumulates,
                          {micro: (record["allocated_bytes"], reserved)}, gpu, batch_size // world,
                          bytes_per_sample(record, micro))
@@ -283,11 +291,11 @@ def settle(task, batch_size):
 
 
 def answer_all(script, base_argv, batch_size, world_size, capacity, task, gpu, jobs=1, report=print,
-               seconds=None, parameters=0):
+               seconds=None, parameters=0, host_capacity=None):
     """The stack (walk, its chain ordered by `seconds`, its prefixes floored by `parameters`)
     and the adapters' answers, their searches up to `jobs` at a time."""
     answer = walk(script, base_argv, batch_size, world_size, capacity, task, gpu, report, jobs,
-                  searched=False, seconds=seconds, parameters=parameters)
+                  searched=False, seconds=seconds, parameters=parameters, host_capacity=host_capacity)
     activation = activation_switches(answer)
     switch_sets = [[*activation, *adapter] for adapter in ADAPTERS]
     tasks = [("adapter", (script, [*base_argv, *argv_of(switches)], capacity, gpu,
@@ -370,6 +378,11 @@ def stack_text(answer, model_argv, batch_size, capacity, size, adapter_answers):
                     else "the whole batch at once (stepped in backward, it is not split)")
                  + peak_words(fit) + (f" ({fit.problem})" if fit.problem else ""),
                  "  " + command(model_argv, batch_size, answer.switches, fit, answer.world_size)]
+        if answer.host_bytes:  # --offload: the state that left the GPU is in host memory
+            machine = (f", {size_text(answer.host_bytes * answer.world_size)} for the "
+                       f"{answer.world_size} on one machine" if answer.world_size > 1 else "")
+            lines.append(f"  host memory: {size_text(answer.host_bytes)} a process (the sharded "
+                         f"weights, gradients and Adam's state){machine}, beside the GPU's")
     words = []
     for switches, fit, problem in adapter_answers:
         name = " ".join(argv_of(switches))

@@ -312,3 +312,24 @@ def test_on_several_gpus_the_stack_shards_first_keeping_adam_exact(combined):
         assert combined.launched_sharded(args)
     one_gpu = stack.walk(COMBINED, BASE, 2, 1, 10**12, "causal-lm", "a100", report=lambda _: None)
     assert one_gpu.link.name == "bf16" and one_gpu.world_size == 1
+
+
+def test_an_offloaded_answer_states_the_host_memory_it_needs(every_prefix):
+    """--offload keeps the shards and Adam's state in host memory: the answer says how much, a
+    process and for the processes of a machine."""
+    *_, reserved = every_prefix.tried[-1]  # offload's, at micro-batch 1
+    answer = stack.walk(COMBINED, BASE, BATCH, 2, reserved, "causal-lm", "a100",
+                        report=lambda _: None, parameters=10**12)  # every other floor above
+    assert answer.link.name == "offload" and answer.host_bytes > 0
+    text = stack.stack_text(answer, [], BATCH, reserved, "SIZE", [])
+    assert f"host memory: {size_text(answer.host_bytes)} a process" in text
+    assert f"{size_text(2 * answer.host_bytes)} for the 2 on one machine" in text
+    smaller = stack.walk(COMBINED, BASE, BATCH, 2, reserved, "causal-lm", "a100", report=lambda _: None,
+                         parameters=10**12, host_capacity=2 * answer.host_bytes - 1)
+    assert smaller.link is None and smaller.tried[-1][3].startswith("needs ")
+
+
+def test_host_memory_needs_gpu_memory(capsys):
+    with pytest.raises(SystemExit):
+        table_main(["--host-memory", "64GB"])
+    assert "--host-memory limits the stack's answer to --gpu-memory" in capsys.readouterr().err
