@@ -7,8 +7,8 @@ scikit-learn's handwritten digits (1,797 8x8 grey images, shipped inside the pac
 10,568 Rotten Tomatoes snippets rated positive or negative by people (from a package on PyPI),
 tokenized to the preset's length. imdb: the 50,000 IMDb movie reviews from the Hub, split
 35k/5k/10k as in the LLM study. --data synthetic: random inputs and labels of the preset's shapes
-(images, or token ids at the full --seq-len), for measuring memory where the data cannot be
-fetched; what a model learns from them means nothing.
+(images, or token ids at the full --seq-len, the last one padding), for measuring memory where
+the data cannot be fetched; what a model learns from them means nothing.
 """
 from dataclasses import dataclass
 from pathlib import Path
@@ -194,8 +194,9 @@ def text_splits(examples, sizes, preset):
 
 class SyntheticData:
     """`size` samples of the preset's shapes drawn at random when read (each sample the same at
-    every read): images in [-1, 1), or token ids over the model's vocabulary at the full length
-    with a mask of ones; a class label each, or under --task causal-lm the ids themselves."""
+    every read): images in [-1, 1), or token ids over the model's vocabulary at the full length,
+    the last one padding (masked out); a class label each, or under --task causal-lm the ids
+    themselves (the padding IGNORED)."""
 
     def __init__(self, preset, size, split):
         self.preset, self.size, self.split = preset, size, split
@@ -210,13 +211,16 @@ class SyntheticData:
         preset, samples = self.preset, []
         for index in indices:
             draw = torch.Generator().manual_seed(SPLIT_SEED + 1_000_003 * self.split + index)
-            if preset.max_length:
+            if preset.max_length:  # the last position padding, as in a padded batch of text: a
                 ids = torch.randint(self.vocabulary, (preset.max_length,), generator=draw)
-                inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+                mask = torch.ones_like(ids)  # mask of all ones would let transformers drop it
+                mask[-1] = 0
+                inputs = {"input_ids": ids, "attention_mask": mask}
             else:
                 size = preset.image_size
                 inputs = {"pixel_values": torch.rand(3, size, size, generator=draw) * 2 - 1}
-            label = (inputs["input_ids"].clone() if preset.task == "causal-lm"
+            label = (inputs["input_ids"].masked_fill(inputs["attention_mask"] == 0, IGNORED)
+                     if preset.task == "causal-lm"
                      else torch.randint(preset.num_classes, (), generator=draw))
             samples.append({**inputs, "label": label})
         return {name: torch.stack([sample[name] for sample in samples]) for name in samples[0]}

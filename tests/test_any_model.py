@@ -190,7 +190,8 @@ def test_synthetic_text_is_token_ids_of_the_models_vocabulary_at_full_length(tmp
                                             "--results-dir", str(tmp_path)]))
         batch = SyntheticData(preset, 16, 0)[[0, 5, 6, 7]]
         assert batch["input_ids"].shape == (4, 24) and int(batch["input_ids"].max()) < 97
-        assert bool(batch["attention_mask"].all()) and batch["label"].shape == labels
+        assert batch["attention_mask"][:, :-1].all() and not batch["attention_mask"][:, -1].any()
+        assert batch["label"].shape == labels  # (a mask of ones would let transformers drop it)
         assert torch.equal(SyntheticData(preset, 16, 0)[[5]]["input_ids"][0], batch["input_ids"][1])
 
 
