@@ -4,5 +4,8 @@
   python -m tour.report   # rebuilds the tables (report.py) and charts (charts.py) from
                                  # the JSON records in results/ (records.py reads them)
 
+machine.py names the machine under each table; publish.py copies a tour's report into docs/
+(--publish) and writes the tables the README and the chapters embed from it.
+
 No numbered script imports this package: it only starts them, each in its own process.
 """

@@ -24,6 +24,7 @@ from estimate.records import (
 )
 from steps import STEPS, step_id, with_parent
 from tour.charts import estimate_figure, save_png, tour_figure
+from tour.machine import machine_line
 from tour.records import STACK_SUFFIX, in_units, load_step_rows, read_tour, shown
 
 TOUR_TABLE, TOUR_CHART = "tour-table.md", "tour-chart.png"
@@ -38,10 +39,22 @@ def cell(text):
     return text if len(text) <= ERROR_CELL_CHARS else text[:ERROR_CELL_CHARS - 3] + "..."
 
 
+WHOLE_STACK = " (whole stack)"
+
+
 def step_name(row):
-    name = (f"{row.script.removesuffix(STACK_SUFFIX)} (whole stack)"
+    """The table's step cell: "05a_adamw_8bit (branch of 04)", "07_fsdp (2 processes, cpu)",
+    "10_combined (whole stack)"."""
+    name = (f"{row.script.removesuffix(STACK_SUFFIX)}{WHOLE_STACK}"
             if row.script.endswith(STACK_SUFFIX) else with_parent(row.script))
     return name + (f" ({row.processes()})" if row.processes() else "")
+
+
+def script_of(step_cell):
+    """The record a table's step cell shows (step_name read back): "10_combined_stack" for
+    "10_combined (whole stack)"."""
+    stem = step_cell.strip().split(" ", 1)[0]
+    return stem + STACK_SUFFIX if WHOLE_STACK in step_cell else stem
 
 
 def entry(row):
@@ -202,6 +215,7 @@ def tour_markdown(rows, tour=None):
     else:
         parts.append(interval_note(rows))
     parts.append(tour_table(rows) if rows else "No steps ran.\n")
+    parts.append(machine_paragraph(tour))
     parts.append(combined_note(rows))
     if "cuda" in devices and any(synchronizes(row) for row in rows):
         parts.append(SYNCHRONIZING_NOTE)
@@ -216,8 +230,15 @@ def tour_markdown(rows, tour=None):
     return "\n".join(part for part in parts if part)
 
 
-def estimate_markdown(estimates):
-    """estimate.md: the predictions, each beside the study's figure for the same setting."""
+def machine_paragraph(tour):
+    """The line under a table that names the machine the tour recorded in tour.json, or ""."""
+    line = machine_line((tour or {}).get("machine"))
+    return f"{line}\n" if line else ""
+
+
+def estimate_markdown(estimates, tour=None):
+    """estimate.md: the predictions, each beside the study's figure for the same setting, and
+    the machine of the tour (tour.json) that made them."""
     parts = ["# Predicted peak GPU memory of training\n",
              "Predicted on fake tensors by `python -m estimate`, without a GPU: allocated "
              "as `torch.cuda.max_memory_allocated`, reserved as `torch.cuda.max_memory_reserved`; "
@@ -230,27 +251,28 @@ def estimate_markdown(estimates):
              "each whole parameter on the GPU in turn for its broadcast). "
              + PER_PARAMETER_NOTE + " Here the GPU's bytes: what 08-09 offload is not counted; "
              "\"activations\" is the activations' part of the allocated peak.\n",
-             estimate_table(estimates)]
+             estimate_table(estimates), machine_paragraph(tour)]
     missing = unpredicted_study_figures(estimates)
     if missing:
         parts.append("Published by the study but not predicted here: " + "; ".join(
             f"{script} at batch {batch}" + (f", {accum} micro-batches" if accum > 1 else "")
             + f": {gb:.2f} GB" for (script, batch, accum), gb in missing.items()) + ".\n")
-    return "\n".join(parts)
+    return "\n".join(part for part in parts if part)
 
 
 def write_report(results_dir):
     """Write the report files into `results_dir`; returns what to print (tables and notes)."""
     results_dir = Path(results_dir)
     rows = load_step_rows(results_dir)
-    tour_text = tour_markdown(rows, read_tour(results_dir))
+    tour = read_tour(results_dir)
+    tour_text = tour_markdown(rows, tour)
     write_text_atomically(results_dir / TOUR_TABLE, tour_text)
     save_png(tour_figure(rows), results_dir / TOUR_CHART)
     estimates, problem = load_estimates(results_dir)
     if not estimates:
         problem = problem or f"{ESTIMATE_FILE} holds no predictions"
         return tour_text + f"\nGPU estimate chart skipped: {problem}.\n"
-    estimate_text = estimate_markdown(estimates)
+    estimate_text = estimate_markdown(estimates, tour)
     write_text_atomically(results_dir / ESTIMATE_TABLE, estimate_text)
     save_png(estimate_figure(estimates), results_dir / ESTIMATE_CHART)
     return tour_text + "\n" + estimate_text

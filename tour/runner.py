@@ -3,7 +3,8 @@
   python -m tour                  # all steps, then results/tour.md, tour.png, estimate.png
   python -m tour --preset tiny-text   # the same steps on text, into results/tiny-text/
   python -m tour --steps 01 03 --max-steps 2 --epochs 1 --skip-estimate   # a quick look
-  python -m tour --publish docs   # also copy the tables and charts to docs/ for the README
+  python -m tour --publish docs   # also copy the tables and charts to docs/, and write the
+                                  # tables the README and docs/ embed (tour/publish.py)
 
 The combined script (10) runs last, twice, as one process: with no switch, and with the whole
 stack (estimate/stack.py's chain up to --offload); the second's record is 10_combined_stack.json.
@@ -36,13 +37,15 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from common.atomic_write import atomic_path, write_json_atomically
+from common.atomic_write import write_json_atomically
 from common.cli import add_shared_flags, positive_int
 from common.presets import PRESETS, for_task
 from estimate.command import processes_for
 from estimate.records import ESTIMATE_FILE
 from estimate.stack import whole_stack
 from steps import STEPS, UnknownStep, select, step_of
+from tour.machine import this_machine
+from tour.publish import publish, publish_problem
 from tour.records import STACK_SUFFIX, TOUR_FILE, read_json
 from tour.report import ESTIMATE_CHART, ESTIMATE_TABLE, REPORT_FILES, TOUR_CHART, TOUR_TABLE, write_report
 
@@ -328,14 +331,6 @@ def move_results(staging, results_dir, responsible_for):
         (results_dir / name).unlink(missing_ok=True)
 
 
-def publish(results_dir, names, publish_dir):
-    """Copy the report files to `publish_dir` (docs/ for the README), each atomically."""
-    for name in names:
-        with atomic_path(publish_dir / name) as tmp:
-            shutil.copyfile(results_dir / name, tmp)
-    print(f"copied {', '.join(names)} to {publish_dir}/")
-
-
 def parse_args(argv=None, scripts_dir=None):
     """The tour's flags; `args.scripts` are the scripts --steps selects (steps.select), or with
     `scripts_dir` their stand-ins there (the tests' fakes)."""
@@ -365,8 +360,9 @@ def parse_args(argv=None, scripts_dir=None):
     parser.add_argument("--step-timeout", type=positive_int, default=STEP_TIMEOUT, metavar="S",
                         help=f"stop a step that runs longer than this (default: {STEP_TIMEOUT} s)")
     parser.add_argument("--publish", type=Path, metavar="DIR",
-                        help="also copy tour.md, tour.png, estimate.md and estimate.png to DIR "
-                             "(docs, for the README); runs each step alone")
+                        help="also copy the tables and charts to DIR and write the tables the "
+                             "README and docs/ embed from them (docs: the whole tour only); runs "
+                             "each step alone")
     parser.add_argument("--one-at-a-time", action="store_true",
                         help="run each step alone, so that its training time is that of a run "
                              "with the machine to itself (the default with --publish or on a GPU; "
@@ -403,6 +399,10 @@ def parse_args(argv=None, scripts_dir=None):
         problem = unwritable(str(args.publish))
         if problem:
             parser.error(problem.replace("--results-dir", "--publish", 1))
+        problem = publish_problem(args.publish, args.preset, args.task, whole=not (
+            args.steps or args.max_steps or args.epochs or args.skip_estimate))
+        if problem:
+            parser.error(problem)
     sharded = [script for script in args.scripts if step_of(script).sharded]
     split = (PRESETS[args.preset].batch_size, step_of(sharded[0]).accum_steps if sharded else 1)
     try:
@@ -413,6 +413,23 @@ def parse_args(argv=None, scripts_dir=None):
     return args
 
 
+def tour_commands(args, results_dir):
+    """What the tour runs for `args` (parse_args), in order, each writing into `results_dir`: a
+    command per step, two for the combined script; the estimate apart (estimate_of)."""
+    return [command for script in args.scripts for command in (
+        combined_commands(script, results_dir, args.passed_flags, args.launch, args.task)
+        if step_of(script).combined else
+        [script_command(script, results_dir, args.passed_flags, args.launch)])]
+
+
+def estimate_of(args, results_dir):
+    """The GPU estimate the tour runs after its steps, or None: none under --skip-estimate, for a
+    preset whose tour has none (tiny-text), or for another task than classification."""
+    if args.skip_estimate or not PRESETS[args.preset].tour_estimate or args.task != "classification":
+        return None
+    return estimate_command(results_dir)
+
+
 def main(argv=None, scripts_dir=None):
     """Run the tour; returns the exit status (1 if any step failed). `scripts_dir` holds the
     numbered scripts (the tests point it at stand-ins)."""
@@ -420,15 +437,12 @@ def main(argv=None, scripts_dir=None):
     results_dir = args.results_dir.resolve()
     results_dir.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=".tour-", dir=results_dir))
+    machine = this_machine()  # named under the tables: the CPU, its cores, bfloat16 arithmetic
     try:
-        commands = [command for script in args.scripts for command in (
-            combined_commands(script, staging, args.passed_flags, args.launch, args.task)
-            if step_of(script).combined else
-            [script_command(script, staging, args.passed_flags, args.launch)])]
+        commands = tour_commands(args, staging)
         if any(step_of(script).sharded for script in args.scripts):
             print(f"sharded steps: {args.launch.reason}", flush=True)
-        estimate = (None if args.skip_estimate or not PRESETS[args.preset].tour_estimate
-                    or args.task != "classification" else estimate_command(staging))
+        estimate = estimate_of(args, staging)
         total = len(commands) + (estimate is not None)
         if args.side_by_side and sum(not runs_alone(command) for command in commands) > 1:
             print("single-process steps run two at a time (a CPU tour without --publish): their "
@@ -445,7 +459,7 @@ def main(argv=None, scripts_dir=None):
             estimate_outcome = {"script": "estimate", "status": "skipped", "error": reason}
         write_json_atomically(staging / TOUR_FILE, {
             "steps": outcomes, "estimate": estimate_outcome, "passed_flags": args.passed_flags,
-            "sharded_launch": vars(args.launch)})
+            "sharded_launch": vars(args.launch), "machine": machine})
         report_text = write_report(staging)
         report_names = [name for name in REPORT_FILES if (staging / name).is_file()]
         responsible_for = [TOUR_FILE, TOUR_TABLE, TOUR_CHART, *(command.output for command in commands)]

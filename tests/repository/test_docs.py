@@ -21,10 +21,11 @@ import pytest
 
 from conftest import ROOT
 from steps import STEPS, import_script, step_id
+from tour.publish import documents, embedded, embeds
 from tour.report import ESTIMATE_TABLE, TOUR_TABLE
 
 README = ROOT / "README.md"
-DOCUMENTS = [README, *sorted((ROOT / "docs").glob("*.md"))]
+DOCUMENTS = documents()
 GENERATED = {ROOT / "docs" / name for name in (TOUR_TABLE, ESTIMATE_TABLE)}  # not chapters
 PROGRAM = re.compile(r"^(?:[A-Z_]+=\S+ )*(?:\.venv/bin/)?(python3?|torchrun)\b")
 LINK = re.compile(r"\]\(([^)\s]+)\)")
@@ -273,18 +274,15 @@ def test_the_commands_that_finish_in_seconds_run(tmp_path):
         assert done.returncode == 0, (command, done.stderr[-2000:])
 
 
-TABLE = re.compile(r"<!-- table: (\S+) -->\n(.*?)<!-- /table -->", flags=re.DOTALL)
-
-
-def shown_tables(document):
-    """(the file a table between markers says it comes from, its rows), for each such table."""
-    return [(document.parent / source, [line for line in shown.splitlines() if line.startswith("|")])
-            for source, shown in TABLE.findall(document.read_text())]
-
-
-def test_the_readme_shows_the_tour_table():
-    assert [path.relative_to(ROOT).as_posix() for path, _ in shown_tables(README)] == [
-        f"docs/{TOUR_TABLE}"]
+def test_the_readme_shows_the_tour_tables_steps_and_links_the_whole_table():
+    """The steps 01-09 and the combined script's rows, without the branches (whose rows would
+    push the landing page past its 200 lines), and a link to the whole table."""
+    assert [(path.relative_to(ROOT).as_posix(), selection) for path, selection, _ in embeds(README)] == [
+        (f"docs/{TOUR_TABLE}", "without branches")]
+    [(_, _, shown)] = embeds(README)
+    steps = [line.split("|")[1].strip() for line in shown.splitlines()[2:] if line.startswith("|")]
+    assert steps and not any("branch of" in step for step in steps)
+    assert f"docs/{TOUR_TABLE}" in LINK.findall(README.read_text())
 
 
 def test_the_readmes_first_paragraph_says_what_it_is_and_how_to_see_it_in_three_lines():
@@ -304,10 +302,11 @@ def test_the_readme_is_a_landing_page_that_links_every_chapter():
 
 @pytest.mark.parametrize("document", DOCUMENTS, ids=lambda path: path.name)
 def test_every_table_between_markers_is_the_one_published(document):
-    """The tour's and the estimate's tables are written by --publish, never by hand."""
-    for source, rows in shown_tables(document):
-        published = [line for line in source.read_text().splitlines() if line.startswith("|")]
-        assert rows == published, source
+    """The tour's and the estimate's tables are written by --publish (tour/publish.py), never by
+    hand: what an embed holds is what publishing makes of its source."""
+    for source, selection, shown in embeds(document):
+        assert shown == embedded(source.read_text(), selection), (
+            f"{source.relative_to(ROOT)}: written by publishing (tour/publish.py), not by hand")
 
 
 def test_the_record_fields_documented_are_those_a_run_writes():
