@@ -2,6 +2,7 @@
 import argparse
 import io
 import os
+import re
 import resource
 import sys
 import time
@@ -139,6 +140,11 @@ def parse_table_args(argv):
     parser.add_argument("--host-memory", metavar="SIZE",
                         help="with --gpu-memory: the host memory of one machine; a stack whose "
                              "offloaded state needs more is passed over (default: no limit)")
+    parser.add_argument("--interconnect", metavar="RATE",
+                        help="with --gpu-memory and --world-size: the bytes a second each GPU's "
+                             "all-gather and reduce-scatter reach, which price the stack's sharded "
+                             "links (for example 200GB/s, the default: an A100's NVLink; 12GB/s: "
+                             "100 Gb/s InfiniBand)")
     parser.add_argument("--stack-only", action="store_true",
                         help="with --gpu-memory: only the stack (10_combined.py's switches that "
                              "fit), without the table of every script")
@@ -158,9 +164,10 @@ def parse_table_args(argv):
                              "a check)")
     words = list(sys.argv[1:] if argv is None else argv)
     for index, word in enumerate(words[:-1]):  # a negative size reads as a flag: take it whole,
-        if word == "--gpu-memory" and words[index + 1].startswith("-"):  # and say what is wrong
-            words[index:index + 2] = [f"--gpu-memory={words[index + 1]}"]
-            break
+        if word in ("--gpu-memory", "--interconnect") and words[index + 1].startswith("-"):
+            words[index + 1] = f"{word}={words[index + 1]}"  # and say what is wrong
+            words[index] = None
+    words = [word for word in words if word is not None]
     args = parser.parse_args(words)
     records.KEPT = Path(args.results_dir) / records.ESTIMATE_FILE
     # the stack runs one GPU unless --world-size is given (the table's default is 4)
@@ -177,15 +184,36 @@ def parse_table_args(argv):
         try:
             args.capacity = parse_size(args.gpu_memory)
             args.host_capacity = args.host_memory and parse_size(args.host_memory)
+            args.interconnect = args.interconnect and parse_rate(args.interconnect)
         except ValueError as error:
             parser.error(str(error))
         if args.device != "cuda":
             parser.error("--gpu-memory asks what fits on a GPU: leave --device cpu out")
+        if args.interconnect and args.stack_world_size == 1:
+            parser.error("--interconnect prices what sharded GPUs send each other: add --world-size N "
+                         "(N above 1), or leave it out")
+    elif args.interconnect:
+        parser.error("--interconnect prices the stack's sharded links under --gpu-memory SIZE: add "
+                     "it and --world-size N")
     elif args.host_memory:
         parser.error("--host-memory limits the stack's answer to --gpu-memory SIZE: add it")
     elif args.stack_only:
         parser.error("--stack-only answers --gpu-memory SIZE: add it (for example 24GB)")
     return args
+
+
+def parse_rate(text):
+    """Bytes a second in "200GB/s" or "25GiB/s" (a size, as --gpu-memory reads one, a second;
+    "/s" may be left out); ValueError, naming --interconnect, if not."""
+    amount = re.sub(r"\s*/\s*s\s*$", "", text)
+    if re.fullmatch(r".*[0-9.\s][kKmMgGtT]b", amount):  # 100Gb/s: bits, as networks are sold
+        raise ValueError(f"--interconnect {text!r}: a lower-case b counts bits; give bytes a "
+                         "second, such as 12.5GB/s for 100 Gb/s")
+    try:
+        return parse_size(amount)
+    except ValueError:
+        raise ValueError(f"--interconnect {text!r}: expected bytes a second, such as 200GB/s "
+                         "(an A100's NVLink, the default) or 25GiB/s") from None
 
 
 def model_flags(args):
@@ -325,9 +353,11 @@ def the_stack(args, flags):
     shown = [*(["--preset", args.preset] if args.model is None else []), *without_batch_flags(flags)]
     tokens = batch_size * (preset.max_length or (preset.image_size // 16) ** 2 or 1)
     shape = (config.num_hidden_layers, config.hidden_size, getattr(config, "vocab_size", 0))
+    costs = stack.Costs(parameters, tokens, *shape,
+                        interconnect=args.interconnect or stack.COST["interconnect_bytes_per_s"])
     answer, adapters = stack.answer_all(combined, base, batch_size, args.stack_world_size,
-                                        args.capacity, args.task, args.gpu, args.jobs,
-                                        seconds=stack.chain_seconds(parameters, tokens, shape),
+                                        args.capacity, args.task, args.gpu, args.jobs, costs=costs,
                                         parameters=parameters, host_capacity=args.host_capacity)
-    return (stack.chain_text(args.task, parameters, tokens, shape, args.stack_world_size),
+    return (stack.chain_text(args.task, parameters, tokens, shape, args.stack_world_size,
+                             costs.interconnect),
             stack.stack_text(answer, shown, batch_size, args.capacity, args.gpu_memory, adapters))

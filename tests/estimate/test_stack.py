@@ -2,6 +2,7 @@
 import argparse
 import os
 import shlex
+from dataclasses import replace
 from unittest import mock
 
 import pytest
@@ -299,32 +300,44 @@ def test_each_link_sets_switches_of_10_that_a_script_trains_with(combined):
 
 def test_on_several_gpus_the_stack_shards_first_keeping_adam_exact(combined):
     """--world-size 2: the first prefix is 10 under torchrun, every process holding half the
-    weights, gradients and Adam's state; its command trains (10's own checks, as torchrun's
-    process 0) and shards; one sample a process is the whole batch: nothing to search."""
+    weights, gradients and Adam's state (ZeRO-2 first: fewer bytes over the interconnect); its
+    command trains (10's own checks, as torchrun's process 0) and shards; one sample a process is
+    the whole batch: nothing to search."""
     answer = stack.walk(COMBINED, BASE, 2, 2, 10**12, "causal-lm", "a100", report=lambda _: None)
-    assert answer.link.name == "FSDP" and answer.world_size == 2 and answer.switches == []
+    assert answer.link is stack.SHARDED_CHAIN[0] and answer.world_size == 2
+    assert answer.switches == [("--reshard-after-forward", "false")]
     assert answer.fit.largest == 1 and answer.fit.capped
     shown = [word for word in BASE if word not in ("--device", "cuda")]  # as the answer prints it
     words = shlex.split(stack.command(shown, 2, answer.switches, answer.fit, answer.world_size))
     args, problem = parsed(combined, words, world_size=2)
-    assert problem is None and "--optimizer" not in words
+    assert problem is None and "--optimizer" not in words and args.reshard_after_forward is False
     with mock.patch.dict(os.environ, {"WORLD_SIZE": "2", "RANK": "0"}):
         assert combined.launched_sharded(args)
     one_gpu = stack.walk(COMBINED, BASE, 2, 1, 10**12, "causal-lm", "a100", report=lambda _: None)
     assert one_gpu.link.name == "bf16" and one_gpu.world_size == 1
 
 
+def test_each_sharded_link_trains_under_torchrun(combined):
+    for link in stack.SHARDED_CHAIN:
+        words = ["torchrun", "--nproc_per_node=2", "10_combined.py", "--task", "causal-lm",
+                 *stack.argv_of(link.sets)]
+        _, refused = parsed(combined, words, world_size=2)
+        assert refused is None, (link.name, refused)
+        assert link.sharded and all(value is not stack.REMOVE for _, value in link.sets)
+
+
 def test_an_offloaded_answer_states_the_host_memory_it_needs(every_prefix):
     """--offload keeps the shards and Adam's state in host memory: the answer says how much, a
     process and for the processes of a machine."""
-    *_, reserved = every_prefix.tried[-1]  # offload's, at micro-batch 1
-    answer = stack.walk(COMBINED, BASE, BATCH, 2, reserved, "causal-lm", "a100",
+    *_, reserved = every_prefix.tried[-1]  # offload's, at micro-batch 1 of one process
+    size = int(reserved / (1 - stack.SHARDED_MARGIN)) + 1  # sharded over 2, it keeps the margin
+    answer = stack.walk(COMBINED, BASE, BATCH, 2, size, "causal-lm", "a100",
                         report=lambda _: None, parameters=10**12)  # every other floor above
     assert answer.link.name == "offload" and answer.host_bytes > 0
-    text = stack.stack_text(answer, [], BATCH, reserved, "SIZE", [])
+    text = stack.stack_text(answer, [], BATCH, size, "SIZE", [])
     assert f"host memory: {size_text(answer.host_bytes)} a process" in text
     assert f"{size_text(2 * answer.host_bytes)} for the 2 on one machine" in text
-    smaller = stack.walk(COMBINED, BASE, BATCH, 2, reserved, "causal-lm", "a100", report=lambda _: None,
+    smaller = stack.walk(COMBINED, BASE, BATCH, 2, size, "causal-lm", "a100", report=lambda _: None,
                          parameters=10**12, host_capacity=2 * answer.host_bytes - 1)
     assert smaller.link is None and smaller.tried[-1][3].startswith("needs ")
 
@@ -333,3 +346,184 @@ def test_host_memory_needs_gpu_memory(capsys):
     with pytest.raises(SystemExit):
         table_main(["--host-memory", "64GB"])
     assert "--host-memory limits the stack's answer to --gpu-memory" in capsys.readouterr().err
+
+
+# The cost model between GPUs, on stand-ins: Llama-3.1-8B's size and shape at 8 x 2,048 tokens
+LLAMA_8B = stack.Costs(8.03e9, 8 * 2048, 32, 4096, 128256)
+ZERO_2, ZERO_3 = (next(link for link in stack.SHARDED_CHAIN if link.name == name)
+                  for name in ("FSDP ZeRO-2", "FSDP ZeRO-3"))
+
+
+def test_the_interconnect_carries_n_minus_1_over_n_of_the_weights_bytes_each_micro_batch():
+    """ZeRO-3 gathers the bfloat16 weights twice a micro-batch and reduce-scatters the gradients
+    (6 bytes a parameter), ZeRO-2 gathers once (4): two thirds of the time; each GPU moves
+    (N-1)/N of them, at the stated bandwidth; one GPU moves none."""
+    def wire(costs, link, world, micro_batches=1):
+        return stack.step_time(costs, link.sets, world, micro_batches).get("interconnect", 0)
+    for world in (2, 4, 8, 64):
+        moved = {link: wire(LLAMA_8B, link, world) * LLAMA_8B.interconnect * world / (world - 1)
+                 for link in (ZERO_2, ZERO_3)}
+        assert moved[ZERO_3] == pytest.approx(6 * LLAMA_8B.parameters)
+        assert moved[ZERO_2] == pytest.approx(4 * LLAMA_8B.parameters)
+        assert wire(LLAMA_8B, ZERO_3, world, 4) == pytest.approx(4 * wire(LLAMA_8B, ZERO_3, world))
+    assert wire(LLAMA_8B, ZERO_3, 1) == 0
+    slower = replace(LLAMA_8B, interconnect=LLAMA_8B.interconnect / 10)
+    assert wire(slower, ZERO_3, 8) == pytest.approx(10 * wire(LLAMA_8B, ZERO_3, 8))
+    assert [link.name for link in stack.sharded_links(LLAMA_8B, 8)][:2] == ["FSDP ZeRO-2", "FSDP ZeRO-3"]
+
+
+@pytest.mark.parametrize("world", [2, 8])
+def test_a_sharded_step_is_the_one_gpu_step_of_its_tokens_plus_the_interconnect(world):
+    """A sharded link is priced by the one-GPU links' own terms for the same switches, on
+    batch/N of the tokens (a sharded step of 4-bit AdamW on 1/N of the weights), plus the
+    interconnect: adding a link to SHARDED_CHAIN prices it."""
+    share = stack.Costs(LLAMA_8B.parameters, LLAMA_8B.tokens // world, 32, 4096, 128256)
+    one_gpu = {link.sets: link for link in stack.CHAIN}
+    for link in [*stack.SHARDED_CHAIN, *(link for link in stack.CHAIN if not link.sharded)]:
+        switches = [(flag, value) for flag, value in link.sets if value is not stack.REMOVE]
+        sharded = stack.step_time(LLAMA_8B, switches, world)
+        wire = sharded.pop("interconnect")
+        alone = stack.step_time(share, switches, 1)
+        if link.sets in one_gpu:  # what the switches add is that link's seconds on the share
+            added = sum(alone.values()) - alone["compute"]
+            links = [one_gpu[link.sets]] + (  # offloading recomputes too, as the link it replaces
+                [one_gpu[(("--checkpointing", "full"),)]] if link.name == "activation offloading" else [])
+            assert added == pytest.approx(sum(stack.step_seconds(each, share.parameters, share.tokens,
+                                                                 32, 4096, 128256) for each in links))
+        if "4-bit step" in alone:
+            alone["4-bit step"] /= world
+        assert wire > 0 and sharded == pytest.approx(alone)
+
+
+def on_stand_ins(reserved, costs, world_size, capacity, batch_size=8, largest=None):
+    """stack.walk with stand-ins for the estimates and the search: a row reserves
+    reserved(argv, world) bytes at any micro-batch, and its search finds largest(argv, world)
+    samples a GPU (default: the whole share); (the answer, the lines it reported)."""
+    said = []
+
+    def attempt(row):
+        return ({"reserved_bytes": reserved(row.argv, row.world_size), "allocated_bytes": 0,
+                 "parameter_count": int(costs.parameters), "host_bytes": 0}, None, 0.0)
+
+    def search(script, argv, world, room, accumulates, known, gpu, cap, per_sample):
+        return stack.Fit(script.stem, accumulates, capacity=room, tried=dict(known),
+                         largest=largest(argv, world) if largest else cap)
+    with mock.patch.object(stack, "attempt", attempt), mock.patch.object(stack, "search", search):
+        answer = stack.walk(COMBINED, BASE, batch_size, world_size, capacity, "causal-lm", "a100",
+                            report=said.append, costs=costs)
+    return answer, said
+
+
+def test_sharding_is_answered_where_quicker_and_one_gpu_where_the_interconnect_is_slow():
+    """Every prefix fits: on NVLink-class bandwidth ZeRO-2 over 8 GPUs is the quickest, and no
+    one-GPU prefix is estimated (none could be quicker); at 1 MB/s one GPU running the whole batch
+    is the quicker, and the answer says both seconds."""
+    fast, said = on_stand_ins(lambda argv, world: 1, LLAMA_8B, 8, 10**12)
+    assert fast.link is ZERO_2 and fast.world_size == 8
+    sharded_seconds = sum(stack.step_time(LLAMA_8B, ZERO_2.sets, 8).values())
+    assert f"{sharded_seconds:.3g} s a step on each of 8 GPUs" in fast.why
+    assert "every prefix of the one-GPU chain takes longer" in fast.why
+    skipped = [value for link, switches, _, value in fast.tried if link in stack.CHAIN and switches]
+    assert skipped and all(value.startswith("not estimated: its step takes") for value in skipped)
+    slow_wire = replace(LLAMA_8B, interconnect=1e6)
+    slow, said = on_stand_ins(lambda argv, world: 1, slow_wire, 8, 10**12)
+    assert slow.link.name == "bf16" and slow.world_size == 1
+    one_gpu = sum(stack.step_time(slow_wire, [], 1).values())
+    zero_2 = sum(stack.step_time(slow_wire, ZERO_2.sets, 8).values())
+    assert one_gpu < zero_2
+    assert slow.why.startswith(f"{one_gpu:.3g} s a step on one GPU")
+    assert f"{zero_2:.3g} s for FSDP ZeRO-2" in slow.why
+    text = stack.stack_text(slow, [], 8, 10**12, "SIZE", [])
+    assert f"why: {slow.why}" in text and "python 10_combined.py" in text
+
+
+def test_zero3_is_answered_where_zero2_fits_only_in_more_micro_batches():
+    """ZeRO-2 is tried first (its least step is quicker), but where it fits micro-batches of 1
+    and ZeRO-3 the whole share, ZeRO-3's one micro-batch moves fewer bytes: it is answered."""
+    def largest(argv, world):
+        return 1 if "--reshard-after-forward" in argv else 8
+    answer, said = on_stand_ins(lambda argv, world: 1, LLAMA_8B, 8, 10**12, batch_size=64,
+                                largest=largest)
+    assert answer.link is ZERO_3 and stack.micro_batches(answer.fit) == 1
+    zero_2 = sum(stack.step_time(LLAMA_8B, ZERO_2.sets, 8, 8).values())
+    zero_3 = sum(stack.step_time(LLAMA_8B, ZERO_3.sets, 8, 1).values())
+    assert zero_3 < zero_2
+    assert f"FSDP ZeRO-3: {zero_3:.3g} s a step, under FSDP ZeRO-2's {zero_2:.3g} s" in "\n".join(said)
+
+
+def test_zero3_is_answered_where_zero2_holds_too_much():
+    """ZeRO-2 keeps every block's gathered weights until backward: where that does not fit,
+    the walk goes on to ZeRO-3, sharded all the same."""
+    def reserved(argv, world):
+        return 2 * 10**12 if "--reshard-after-forward" in argv else 10**9
+    answer, said = on_stand_ins(reserved, LLAMA_8B, 8, 10**11)
+    assert answer.link is ZERO_3 and answer.world_size == 8 and answer.switches == []
+
+
+def test_a_sharded_fit_keeps_the_sharded_margin_free():
+    """Each run reserves the same bytes: in --gpu-memory a little above them, a sharded link
+    does not fit (SHARDED_MARGIN of it is kept free: the estimate leaves out what the collectives
+    hold) while one GPU does; with the margin's room, sharding fits, and both say so."""
+    reserved = 70 * 10**9
+    tight = int(reserved / (1 - stack.SHARDED_MARGIN)) - 10**6  # the margin eats into it
+    assert reserved < tight
+    answer, said = on_stand_ins(lambda argv, world: reserved, LLAMA_8B, 8, tight)
+    assert answer.world_size == 1 and answer.link.name == "bf16"
+    assert "no sharded link fits" in answer.why and f"{stack.SHARDED_MARGIN:.0%}" in answer.why
+    room = int(tight * (1 - stack.SHARDED_MARGIN))
+    assert f"[stack] FSDP ZeRO-2: {size_text(reserved)} reserved at micro-batch 1 of {size_text(room)} " \
+           f"(--gpu-memory less the sharded margin, {stack.SHARDED_MARGIN:.0%})" in "\n".join(said)
+    roomy = tight + 2 * 10**6
+    answer, _ = on_stand_ins(lambda argv, world: reserved, LLAMA_8B, 8, roomy)
+    assert answer.link is ZERO_2 and answer.fit.capacity == int(roomy * (1 - stack.SHARDED_MARGIN))
+    text = stack.stack_text(answer, [], 8, roomy, "SIZE", [])
+    assert f"keeps {stack.SHARDED_MARGIN:.0%} of it free when sharded" in text
+
+
+def test_the_interconnect_flag_prices_the_sharded_links(tmp_path, monkeypatch):
+    """--interconnect RATE reaches the cost model: the printed chain states it, and its sharded
+    steps take longer at a slower one."""
+    from estimate import command
+    asked = {}
+
+    def answer_all(*arguments, costs=None, **options):
+        asked["costs"] = costs
+        return stack.Answer(), []
+    monkeypatch.setattr(stack, "answer_all", answer_all)
+    flags = ["--preset", "tiny-text", "--task", "causal-lm", "--gpu-memory", "80GB", "--world-size",
+             "8", "--results-dir", str(tmp_path)]
+    chains = {}
+    for rate in ("200GB/s", "100GB/s"):
+        args = command.parse_table_args([*flags, "--interconnect", rate])
+        chains[rate], _ = command.the_stack(args, command.model_flags(args))
+        assert asked["costs"].interconnect == estimate.fit.parse_size(rate[:-2])
+    assert "interconnect 100 GB/s" in chains["100GB/s"] and "interconnect 200 GB/s" in chains["200GB/s"]
+    first = [[line for line in chains[rate].splitlines() if "1. FSDP ZeRO-2" in line][0]
+             for rate in ("200GB/s", "100GB/s")]
+    assert first[0] != first[1]
+
+
+@pytest.mark.parametrize("words, said", [
+    (["--interconnect", "100Gb/s"], "a lower-case b counts bits"),
+    (["--interconnect", "fast"], "expected bytes a second"),
+    (["--interconnect", "-5GB/s"], "expected bytes a second"),
+    (["--interconnect", "0GB/s"], "expected bytes a second"),
+])
+def test_a_bad_interconnect_is_refused_in_one_line(words, said, tmp_path, capsys):
+    with pytest.raises(SystemExit) as stop:
+        table_main(["--gpu-memory", "80GB", "--world-size", "8", *words,
+                    "--results-dir", str(tmp_path / "out")])
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert stop.value.code == 2 and last.startswith("python -m estimate: error: --interconnect")
+    assert said in last and not any((tmp_path / "out").glob("*"))  # nothing written
+
+
+@pytest.mark.parametrize("words, said", [
+    (["--interconnect", "100GB/s"], "add it and --world-size N"),
+    (["--gpu-memory", "80GB", "--interconnect", "100GB/s"], "add --world-size N"),
+])
+def test_the_interconnect_needs_sharded_gpus_to_price(words, said, tmp_path, capsys):
+    with pytest.raises(SystemExit) as stop:
+        table_main([*words, "--results-dir", str(tmp_path / "out")])
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert stop.value.code == 2 and "--interconnect" in last and said in last
