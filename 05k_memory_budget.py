@@ -1,6 +1,6 @@
 """05k memory budget: 04 compiled, with the compiler told how much of forward backward may keep.
 
-torch.compile's partitioner splits each compiled graph into forward and backward and chooses
+torch.compile's partitioner splits each compiled graph (a block's) into forward and backward and chooses
 which intermediate results forward saves. `torch._functorch.config.activation_memory_budget`
 (0 to 1, `--memory-budget`, default 0.5) caps what it saves at that fraction of its own default
 choice, and it recomputes the cheapest rest in backward (by FLOPs): checkpointing chosen by the
@@ -21,7 +21,7 @@ from common.cli import parse_args, positive_int  # gradient accumulation: for it
 from common.data import load_data, split_batch, to_device
 from common.evaluate import evaluate
 from common.memory import MemoryMeter, measure_creation
-from common.model import create_model
+from common.model import create_model, transformer_blocks
 from common.presets import preset_for
 from common.progress import Progress
 from common.summary import report
@@ -59,7 +59,8 @@ def train(args, device):
         model = create_model(preset).to(device, DTYPE)  # bf16-true
     # memory budget: what the partition may save for backward, of what it saves unasked (1.0)
     torch._functorch.config.activation_memory_budget = args.memory_budget
-    model.compile()  # memory budget: always compiled (seconds to minutes at the first call)
+    for block in transformer_blocks(model):  # memory budget: always compiled, each block on its
+        block.compile()  # own (its budget is a block's), at the first call: seconds to minutes
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr or preset.lr)
 
     meter = MemoryMeter(device, model, optimizer)  # the peak of the first steps, by what it holds

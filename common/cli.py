@@ -210,8 +210,9 @@ def parse_args(description, argv=None, task=None, flags=None):
                         help="with --estimate: run every micro-batch, not two (the same bytes, "
                              "slower: a check)")
     parser.add_argument("--compile", action="store_true",
-                        help="torch.compile the model: its first call generates fused kernels for "
-                             "the device (C++ on a CPU, Triton on a GPU), reused by later steps")
+                        help="torch.compile each transformer block: its first call generates fused "
+                             "kernels for the device (C++ on a CPU, Triton on a GPU), reused by "
+                             "later steps and by the blocks alike")
     parser.add_argument("--check-estimate", action="store_true",
                         help="on a GPU, predict this run too (--estimate, in a subprocess while it "
                              "trains) and record the prediction beside the measured peak")

@@ -10,9 +10,9 @@ two graphs instead of generating kernels from them, so they need no GPU, no comp
 and no data.
 
 `partition()` counts (benchmarks/recompute_flops.py prints them):
-- saved_bytes: the tensors backward's graph takes from forward's, the model's own weights and
-  inputs left out (they exist whatever is saved): the activations a compiled step keeps between
-  its forward and its backward;
+- saved_bytes: the tensors each block's backward graph takes from its forward graph, summed
+  over the blocks, the weights and the block's input left out (they exist whatever is saved):
+  the activations a compiled step keeps between its forward and its backward;
 - forward_flops and backward_flops: FlopCounterMode's count of each graph as it runs, so a
   budget's recomputation is its backward's FLOPs beyond the budget-1.0 backward's.
 
@@ -48,6 +48,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import FlopCounterMode
 
+from common.model import transformer_blocks
+
 
 @dataclass
 class Partition:
@@ -72,29 +74,30 @@ def inductor_graphs(forward_compiler, backward_compiler):
     return compile_graph
 
 
-def saved_by_forward(backward_graph):
-    """Bytes of the tensors a backward graph takes from its forward graph: its inputs that are
-    neither incoming gradients (tangents_*) nor the forward's own inputs passed through
-    (primals_*: the weights and the batch). With a graph break, a later graph's inputs include
-    the earlier one's outputs, which this leaves out: Partition.graphs says when."""
-    return sum(node.meta["val"].nbytes for node in backward_graph.graph.nodes
-               if node.op == "placeholder" and isinstance(node.meta.get("val"), torch.Tensor)
-               and not node.name.startswith(("tangents", "primals")))
+def saved_positions(backward_graph):
+    """Where a backward graph's inputs are the tensors it takes from its forward graph: neither
+    incoming gradients (tangents_*) nor the forward's own inputs passed through (primals_*:
+    the weights and the block's input)."""
+    inputs = [node for node in backward_graph.graph.nodes if node.op == "placeholder"]
+    return [index for index, node in enumerate(inputs)
+            if isinstance(node.meta.get("val"), torch.Tensor)
+            and not node.name.startswith(("tangents", "primals"))]
 
 
 def partition(model, inputs, labels, budget):
     """The Partition of one training forward and backward of `model` on `inputs` and `labels`
-    (the model's own loss) under activation memory budget `budget` (0 to 1)."""
+    (the model's own loss) under activation memory budget `budget` (0 to 1), its transformer
+    blocks compiled each on its own as the scripts compile them (alike blocks share a graph;
+    what runs uncompiled around them, embeddings and head, is not counted)."""
     found = Partition()
 
     def keeper(kind):
         def compiler(graph, example_inputs):
-            if kind == "backward":
-                found.saved_bytes += saved_by_forward(graph)
-            else:
-                found.graphs += 1
+            found.graphs += kind == "forward"
+            saved = saved_positions(graph) if kind == "backward" else []
 
             def run(args):  # the graph itself, run as it is, its operations counted
+                found.saved_bytes += sum(args[index].nbytes for index in saved)  # each block's
                 with FlopCounterMode(display=False) as counter:
                     out = graph(*args)
                 setattr(found, f"{kind}_flops", getattr(found, f"{kind}_flops") + counter.get_total_flops())
@@ -106,8 +109,13 @@ def partition(model, inputs, labels, budget):
     backend = inductor_graphs(keeper("forward"), keeper("backward"))
     torch._dynamo.reset()  # graphs compiled earlier (another budget) would be reused otherwise
     with torch._functorch.config.patch(activation_memory_budget=budget):
-        compiled = torch.compile(model, backend=backend)
-        compiled(**inputs, labels=labels).loss.backward()
+        for block in transformer_blocks(model):
+            block.compile(backend=backend)
+        try:
+            model(**inputs, labels=labels).loss.backward()
+        finally:
+            for block in transformer_blocks(model):
+                block._compiled_call_impl = None  # the model as it was given
     torch._dynamo.reset()
     return found
 
@@ -272,6 +280,11 @@ def run_as_compiled(fused):
 # tensors an optimizer keeps beside its state, made in its first step (05j's code tables: 248
 # bytes): the allocator's count of a later step does not see them either
 OPTIMIZERS_OWN = 4096
+# inductor writes a kernel's output into the buffer of an input that dies there (its
+# inplace_buffers and buffer reuse), which the fused run does not emulate: it holds both for the
+# kernel's time. Measured on tiny's 05k, each block compiled, at budgets 0.25 and 0.5: the run
+# peaked 1.4% below the fused prediction beyond the batch (a CPU, docs/estimator.md)
+NOT_EMULATED_REUSE = 0.02
 
 
 def measured_peak(run):
@@ -288,6 +301,9 @@ def within_bound(run, record):
     less what the allocator's count cannot see and MemTracker's does: tensors made before the
     step other than the model's and its optimizer's state, that is the batch (MemTracker counts
     it once the model takes a view of it, as 04's micro-batches are) and an optimizer's own
-    small tensors (OPTIMIZERS_OWN)."""
+    small tensors (OPTIMIZERS_OWN), and the buffers inductor reuses (NOT_EMULATED_REUSE). The
+    prediction, the range's lower side, is what the estimate answers with and what "fits" reads:
+    a compiled run is expected at or a little below it, never above the unfused side."""
     predicted, unfused = record["allocated_bytes"], record["unfused_allocated_bytes"]
-    return predicted - record["batch_bytes"] - OPTIMIZERS_OWN <= measured_peak(run) <= unfused
+    below = record["batch_bytes"] + OPTIMIZERS_OWN + NOT_EMULATED_REUSE * predicted
+    return predicted - below <= measured_peak(run) <= unfused

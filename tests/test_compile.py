@@ -12,6 +12,7 @@ from torch._dynamo.utils import counters
 from common.cli import compiler_problem, parse_args
 from common.compiled_memory import AllocationTracker
 from common.memory import device_snapshot, fold_breakdown
+from common.model import transformer_blocks
 from conftest import CPU, PROBED_TEST_TIMEOUT, QUICK, assert_follows, load_script, run_script, script_path
 from estimate import estimate
 from estimate.compiled import within_bound
@@ -215,6 +216,23 @@ def test_the_estimate_of_a_compiled_run_bounds_what_it_measures(compiled, tmp_pa
     assert predicted["allocated_bytes"] < predicted["unfused_allocated_bytes"]
     assert predicted["allocated_bytes"] != eager["allocated_bytes"]  # it is not the eager count
     assert within_bound(compiled[0], predicted)
+
+
+@pytest.mark.timeout(400)
+def test_stepping_in_backward_compiled_steps_as_each_blocks_backward_ends(tmp_path, capsys):
+    """--compile compiles each block on its own, never the whole model: each block's backward
+    is its own compiled graph, which hands back that block's gradients as it ends, so 10's
+    --optimizer-in-backward steps them before the next block's backward starts (a compiled whole
+    model hands back every gradient at once). It trains, and its estimate bounds what it holds."""
+    argv = ["--preset", "tiny-text", "--task", "causal-lm", "--compile", "--optimizer-in-backward",
+            "--max-steps", "2", "--epochs", "1"]
+    record, meter = run_script("10", argv, tmp_path / "run")
+    blocks = transformer_blocks(meter.model)
+    assert all(block._compiled_call_impl is not None for block in blocks)
+    assert meter.model._compiled_call_impl is None and record["steps"] == 2
+    predicted = estimate(str(script_path("10")), [*argv, "--estimate", *CPU, "--results-dir",
+                                                   str(tmp_path / "estimate")])
+    assert predicted["compiled"] and within_bound(record, predicted)
 
 
 @pytest.mark.timeout(300)
