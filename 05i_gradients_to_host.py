@@ -3,13 +3,16 @@
 05f copies the gradients out after backward, so the device still holds every one at its end.
 Here a hook on each weight copies its gradient out the moment backward has finished it, and
 frees it on the device; on a GPU the copies run on a side stream, beside backward. With
-accumulation the micro-batches' gradients add up in host memory. On a CPU the host is the device.
+accumulation the micro-batches' gradients add up in host memory, on a GPU on a thread of their
+own while the next micro-batch runs. On a CPU the host is the device.
 
   python %(prog)s                                  # tiny preset: offline, about 30 s on a laptop CPU
   python %(prog)s --preset article                 # the study: ViT-L/16 on CIFAR-10 (GPU and network)
   python %(prog)s --preset tiny-text               # text: a pretrained MiniLM on movie reviews
   python %(prog)s --estimate                       # predict peak GPU memory without a GPU
 """
+from concurrent.futures import ThreadPoolExecutor  # gradients to host: a GPU's sums on a thread
+
 import torch
 
 # --estimate runs main() on fake tensors with stand-ins for these names (no data, no download):
@@ -18,7 +21,7 @@ from common.cli import parse_args, positive_int  # gradient accumulation: for it
 from common.data import load_data, split_batch, to_device
 from common.evaluate import evaluate
 from common.memory import HOST, MemoryMeter, measure_creation
-from common.model import create_model
+from common.model import create_model, transformer_blocks
 from common.presets import preset_for
 from common.progress import Progress
 from common.summary import report
@@ -28,17 +31,24 @@ DTYPE = torch.bfloat16  # bf16-true: weights, gradients, optimizer state and act
 
 class GradientsToHost:  # gradients to host
     """A hook on each weight that copies its gradient to host memory as soon as backward has
-    finished it, and frees it on the device; add_up() adds a micro-batch's into the host
-    weights' .grad, where Adam reads them."""
+    finished it, and frees it on the device. A micro-batch's copies are added into the host
+    weights' .grad, where Adam reads them, while the next micro-batch runs (on a GPU by a thread,
+    once copied): each by its weight's next copy, which waits for it, and all by add_all()."""
 
     def __init__(self, weights, host_weights, device):
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None  # copies out
+        # a GPU's thread that adds the copies in turn, set to this GPU (else its CUDA calls
+        # would go to GPU 0, and open a context there)
+        self.adder = None if self.stream is None else ThreadPoolExecutor(
+            1, initializer=torch.cuda.set_device, initargs=(self.stream.device,))
         self.arrived = []  # (host copy of a gradient, its host weight), this micro-batch's
+        self.copies, self.adding = {}, {}  # host weight -> its copy to add; the thread's sum of it
         for weight, host_weight in zip(weights, host_weights):
             weight.register_post_accumulate_grad_hook(
                 lambda weight, host_weight=host_weight: self.to_host(weight, host_weight))
 
     def to_host(self, weight, host_weight):
+        self.copy_added(host_weight)  # the micro-batch before's copy in .grad: its memory free
         if self.stream is None:  # a CPU: copied all the same, so the estimate sees it move
             self.arrived.append((weight.grad.to(HOST, copy=True), host_weight))
         else:
@@ -51,15 +61,35 @@ class GradientsToHost:  # gradients to host
         weight.grad = None  # freed on the device while backward goes on
 
     def add_up(self):
-        """After a micro-batch's backward: wait for its copies, then add them up on the host."""
-        if self.stream is not None:
-            self.stream.synchronize()
+        """After a micro-batch's backward: its copies wait to be added, by a GPU's thread once the
+        copies queued so far are done, while the next micro-batch runs (no wait here)."""
+        copied = None if self.stream is None else self.stream.record_event()
         for host, host_weight in self.arrived:
-            if host_weight.grad is None:
-                host_weight.grad = host
-            else:
-                host_weight.grad += host  # accumulation, in host memory
+            self.copies[host_weight] = host
+            if self.adder is not None:
+                self.adding[host_weight] = self.adder.submit(self.add_copy, host_weight, copied)
         self.arrived.clear()
+
+    def add_copy(self, host_weight, copied=None):
+        if copied is not None:
+            copied.synchronize()  # the copies are in host memory
+        if host_weight.grad is None:
+            host_weight.grad = self.copies[host_weight]
+        else:
+            host_weight.grad += self.copies[host_weight]  # accumulation, in host memory
+
+    def copy_added(self, host_weight):
+        """Its waiting copy added (the thread's sum waited for; a CPU's made now), then let go
+        of on this thread, which the memory meter watches, not on the adder's."""
+        if host_weight in self.adding:
+            self.adding.pop(host_weight).result()  # (the thread's error, if any, raised here)
+        elif host_weight in self.copies:
+            self.add_copy(host_weight)
+        self.copies.pop(host_weight, None)
+
+    def add_all(self):  # before Adam's step: every copy in .grad
+        for host_weight in list(self.copies):
+            self.copy_added(host_weight)
 
 
 def train_step(model, optimizer, to_host, inputs, labels, device,  # gradients to host: to_host
@@ -74,9 +104,10 @@ def train_step(model, optimizer, to_host, inputs, labels, device,  # gradients t
         micro_labels = micro_labels.to(device, non_blocking=True)
         loss = model(**micro_inputs, labels=micro_labels).loss / len(micro_batches)  # mean over the batch
         loss.backward()  # gradients to host: each gradient leaves as backward finishes it
-        to_host.add_up()  # gradients to host: a wait for the copies, then the sums on the host
+        to_host.add_up()  # gradients to host: added up on the host while the next micro-batch runs
         batch_loss += loss.detach().float()  # the record's loss, summed in float32
     host_weights = optimizer.param_groups[0]["params"]  # Adam on the host
+    to_host.add_all()  # gradients to host: every copy in .grad before the step
     optimizer.step()
     for weight, host_weight in zip(model.parameters(), host_weights):  # Adam on the host
         weight.detach().copy_(host_weight, non_blocking=True)  # the updated weight comes back
@@ -96,7 +127,8 @@ def train(args, device):
     with measure_creation(device) as creation:
         model = create_model(preset).to(device, DTYPE)  # bf16-true
     if args.compile:  # fused kernels, generated by the first call (seconds to minutes), then reused
-        model.compile()  # in place: the same module, parameters and state_dict names
+        for block in transformer_blocks(model):  # each block on its own (torchtitan's way), so
+            block.compile()  # each block's backward hands back its gradients as it ends
     # Adam on the host: a host copy of each weight, which Adam updates, its state beside it
     # (pinned on a GPU: copies to and fro are queued, not waited for)
     host_weights = [weight.detach().to(HOST, copy=True, non_blocking=True) for weight in model.parameters()]

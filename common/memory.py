@@ -104,7 +104,19 @@ class OverallPeakOnly:
 
 
 class ShardedMemTracker(OverallPeakOnly, FSDPMemTracker):
-    """FSDPMemTracker (steps 07-09), keeping only the overall peak."""
+    """FSDPMemTracker (steps 07-09), keeping only the overall peak. `optimizer` may be a list
+    (10's --optimizer-in-backward under FSDP: one per weight); FSDPMemTracker takes one."""
+
+    def __init__(self, model, optimizer):
+        self.optimizers = optimizer if isinstance(optimizer, list) else [optimizer]
+        super().__init__(model, self.optimizers[0])
+
+    def _instrument_optimizer(self):
+        handles = []
+        for self._optm in self.optimizers:  # each optimizer's state counted as its state
+            super()._instrument_optimizer()
+            handles += self._optimizer_hook_handles
+        self._optimizer_hook_handles = tuple(handles)  # all removed when the tracker stops
 
 
 class NoHook:

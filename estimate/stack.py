@@ -19,8 +19,9 @@ A step's seconds (step_time) are the plain step of the tokens one GPU runs (batc
 sharded), what its switches add, priced as the one-GPU links price them, and when sharded the
 interconnect's bytes: the weights all-gathered and the gradients reduce-scattered each
 micro-batch, (N-1)/N of 2 bytes a parameter each, twice gathered under ZeRO-3 (FSDP's default)
-and once under ZeRO-2 (--reshard-after-forward false). SHARDED_CHAIN's links (Adam exact, each a
-whole switch set) are tried cheapest first; a sharded fit keeps SHARDED_MARGIN of the GPU free.
+and once under ZeRO-2 (--reshard-after-forward false). SHARDED_CHAIN's links (each a whole
+switch set: Adam exact first, then with the switches 10_combined.py takes beside sharding, in
+GROUPS' order) are tried cheapest first; a sharded fit keeps SHARDED_MARGIN of the GPU free.
 The first that fits is searched and priced at the micro-batches it needs; a later sharded link
 whose step could cost less (priced at one micro-batch a GPU, its least) is tried too, and the
 cheaper kept. Then the one-GPU chain: its first prefix that fits in fewer seconds a step than
@@ -127,6 +128,19 @@ SHARDED_CHAIN = (
          "as FSDP ZeRO-3, and the element-wise operators again", sharded=True),
     Link("FSDP ZeRO-3, full checkpointing", (("--checkpointing", "full"),),
          "as FSDP ZeRO-3, and the blocks' forward again (09)", sharded=True),
+    # the switches 10_combined.py takes beside sharding (docs/combined.md#beside-sharding)
+    Link("FSDP ZeRO-3, fused loss, full checkpointing",
+         (("--loss", "fused"), ("--checkpointing", "full")),
+         "as FSDP ZeRO-3 with full checkpointing; the loss a piece at a time, as the root's "
+         "forward", sharded=True, causal_lm_only=True),
+    Link("FSDP ZeRO-3, full checkpointing, 8-bit AdamW",
+         (("--checkpointing", "full"), ("--optimizer", "adamw-8bit")),
+         "as FSDP ZeRO-3 with full checkpointing; each process's shards stepped by 8-bit AdamW",
+         group=1, sharded=True),
+    Link("FSDP ZeRO-3, full checkpointing, optimizer in backward",
+         (("--checkpointing", "full"), ("--optimizer-in-backward", True)),
+         "as FSDP ZeRO-3 with full checkpointing; each weight stepped as its gradient shard is "
+         "reduce-scattered, no accumulation", group=2, sharded=True),
 )
 ADAPTERS = ((("--lora-rank", "8"),), (("--lora-rank", "8"), ("--qlora", True)))
 ACTIVATION_FLAGS = ("--loss", "--checkpointing")
@@ -312,8 +326,8 @@ def walk(script, base_argv, batch_size, world_size, capacity, task, gpu, report=
                Answer(parameters=parameters))
     chain = prefixes(task, costs and chain_seconds(costs.parameters, costs.tokens,
                                                    (costs.layers, costs.hidden, costs.vocabulary)))
-    sharded = ([(link, list(link.sets), []) for link in sharded_links(costs, world_size)]
-               if world_size > 1 else [])
+    sharded = ([(link, list(link.sets), []) for link in sharded_links(costs, world_size)
+                if task == "causal-lm" or not link.causal_lm_only] if world_size > 1 else [])
     if costs is None or not sharded:  # nothing to weigh: the first that fits, in order
         found = run.first_fit([*sharded, *chain])
         return run.answered(found and run.candidate(found, searched))
@@ -626,11 +640,14 @@ def stack_text(answer, model_argv, batch_size, capacity, size, adapter_answers):
                  "  " + command(model_argv, batch_size, answer.switches, fit, answer.world_size)]
         if answer.why:
             lines.append(f"  why: {answer.why}")
-        if answer.host_bytes:  # --offload: the state that left the GPU is in host memory
+        if answer.host_bytes:  # what left the GPU (and its pinned blocks, rounded) is in host memory
             machine = (f", {size_text(answer.host_bytes * answer.world_size)} for the "
                        f"{answer.world_size} on one machine" if answer.world_size > 1 else "")
-            lines.append(f"  host memory: {size_text(answer.host_bytes)} a process (the sharded "
-                         f"weights, gradients and Adam's state){machine}, beside the GPU's")
+            offloaded = dict(answer.switches).get("--offload")
+            held = ("the sharded weights, gradients and Adam's state" if offloaded
+                    else "what its switches keep there")
+            lines.append(f"  host memory: {size_text(answer.host_bytes)} a process ({held}, "
+                         f"pinned blocks as the host allocator rounds them){machine}, beside the GPU's")
     words = []
     for switches, fit, problem in adapter_answers:
         name = " ".join(argv_of(switches))
