@@ -1,10 +1,12 @@
 """A model of PyTorch's CUDA caching allocator, to turn an allocation order into what
-`torch.cuda.max_memory_allocated` and `max_memory_reserved` would report.
+`torch.cuda.max_memory_allocated` and `max_memory_reserved` would report; and of its caching host
+allocator, which hands out pinned host memory (HostAllocatorModel).
 
 The constants are those of c10/cuda/CUDACachingAllocator.cpp (PyTorch 2.13, default settings).
 """
 import bisect
 import itertools
+from collections import Counter
 
 ALLOCATION_GRANULE = 512              # kMinBlockSize: every block is a multiple of this
 SMALL_REQUEST = 1 << 20               # kSmallSize: requests up to 1 MiB come from the small pool
@@ -111,3 +113,37 @@ class CachingAllocatorModel:
                     second.next.previous = first
                 block = first
         self._put_free(block)
+
+
+def pinned_size(nbytes):
+    """A pinned host request as the caching host allocator hands it out: rounded up to a power of
+    two (c10::llvm::PowerOf2Ceil; 0 bytes take no block)."""
+    return 1 << (nbytes - 1).bit_length() if nbytes > 0 else 0
+
+
+class HostAllocatorModel:
+    """PyTorch's caching host allocator, where pinned host memory comes from on a GPU
+    (ATen/core/CachingHostAllocator.h, 2.13, default settings: pinned_max_round_threshold and
+    pinned_max_cached_size unset). Each request gets a block of its own, rounded up to a power of
+    two and never split; a freed block is kept in the free list of its size and handed to the
+    next request of that size; memory goes back to the system only on
+    `torch._C._host_emptyCache()`, which no script calls. So what it holds only grows: `held`,
+    which `torch.cuda.host_memory_stats()` reports as allocated_bytes. A freed block that copies
+    were recorded on waits for them (an event on each stream) before reuse; here it is reused at
+    once, a lower bound where copies lag behind."""
+
+    def __init__(self):
+        self.free_blocks = Counter()  # block size -> blocks of that size in its free list
+        self.held = 0
+
+    def malloc(self, nbytes):
+        """The block size for `nbytes` (keep it to free it), from the free list or made anew."""
+        size = pinned_size(nbytes)
+        if self.free_blocks[size]:
+            self.free_blocks[size] -= 1
+        else:
+            self.held += size
+        return size
+
+    def free(self, size):
+        self.free_blocks[size] += 1

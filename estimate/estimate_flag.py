@@ -30,8 +30,13 @@ def summary(record):
                                             for name, value in record["breakdown_bytes"].items())]
     lines.append("  " + model_state_words(record["model_state_bytes_per_parameter"],
                                           record["parameter_count"], record["world_size"]))
-    if record["host_bytes"]:
-        lines.append(f"  offloaded to host memory: {size_text(record['host_bytes'])}")
+    if record["host_bytes"]:  # a GPU's: what the run offloads or keeps in host memory
+        lines.append(f"  host memory: {size_text(record['host_bytes'])} at its peak, beside the "
+                     "GPU's (what is offloaded or kept there)")
+        if record.get("pinned_host_bytes"):
+            lines.append(f"    pinned host memory {size_text(record['pinned_host_bytes'])} of it, as "
+                         "the caching host allocator holds it (each block rounded up to\n    a "
+                         "power of two, kept once freed); the rest counted exactly")
     lines.append(f"peak memory of creation {size_text(record['init_allocated_bytes'])}"
                  + ("   (allocated on the GPU while the model is built, per process)" if gpu
                     else "   (as measure_creation counts)"))

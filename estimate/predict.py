@@ -114,6 +114,7 @@ def record_of(kept, gpu=DEFAULT_GPU, snapshot=None):
         peak = replayed(kept, kept.events, gpu, recorder)
         allocated, reserved = peak.allocated_bytes, peak.reserved_bytes
         breakdown, host_bytes = peak.breakdown_bytes, peak.host_bytes
+        pinned_host_bytes = peak.pinned_host_bytes  # of it, pinned (allocation_trace.py)
         created = replay(kept.creation, "cpu", emulate_cuda=True, workspaces=False)
         init_allocated, init_reserved = created.allocated_bytes, created.reserved_bytes
         if snapshot:
@@ -125,6 +126,7 @@ def record_of(kept, gpu=DEFAULT_GPU, snapshot=None):
     else:  # the meter's own figures: what the real CPU run reports
         allocated = reserved = kept.cpu_figures["peak_bytes"]
         breakdown, host_bytes = kept.cpu_figures["breakdown_bytes"], 0
+        pinned_host_bytes = 0
         init_allocated = init_reserved = kept.cpu_figures["creation_peak_bytes"]
     unfused = None
     if kept.unfused_events is not None:
@@ -138,6 +140,7 @@ def record_of(kept, gpu=DEFAULT_GPU, snapshot=None):
             "world_size": record["world_size"], "batch_size": record["batch_size"],
             "accum_steps": record["accum_steps"], "allocated_bytes": allocated,
             "reserved_bytes": reserved, "breakdown_bytes": breakdown, "host_bytes": host_bytes,
+            "pinned_host_bytes": pinned_host_bytes,
             "parameter_count": kept.parameter_count,
             "model_state_bytes_per_parameter": model_state_bytes_per_parameter(
                 breakdown, kept.parameters_held),  # the device's bytes, as above

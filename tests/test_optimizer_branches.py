@@ -3,9 +3,12 @@ holds the whole model's gradients; 05a (8-bit AdamW), 05j (4-bit AdamW) and 05b 
 the state they promise, and learn; 04b's stochastic rounding keeps on average what 03 rounds
 away; 05f (Adam on the host) and 05i (its gradients sent as made) take 04's step off the GPU."""
 import re
+import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from conftest import CPU, QUICK, assert_trains_as, load_script, run_script, script_path
 
@@ -221,6 +224,111 @@ def test_gradients_sent_to_the_host_leave_the_device_one_at_a_time(tmp_path):
     trained = sum(1 for param in meter.model.parameters() if param.requires_grad)
     assert len(held) == 2 * 4 * trained  # two steps of four micro-batches, every weight
     assert max(held) == 1 and all(copies)
+
+
+def test_a_micro_batchs_copies_are_added_by_their_next_copy_and_sum_as_05fs(tmp_path):
+    """add_up() after a micro-batch's backward adds nothing (on a GPU a thread adds while the
+    next micro-batch runs); each weight's copy is in its .grad by the weight's next copy, and all
+    by add_all(), before Adam's step. What Adam reads is then 05f's accumulated gradient exactly:
+    the same bfloat16 additions, in the same order, each rounded alike (4 micro-batches, 2 steps)."""
+    module = load_script("05i")
+    copies, checks = {}, []
+
+    class Watched(module.GradientsToHost):
+        def add_up(self):
+            before = [(host_weight, host_weight.grad) for _, host_weight in self.arrived]
+            values = [None if grad is None else grad.clone() for _, grad in before]
+            super().add_up()
+            checks.append(all(host_weight.grad is grad and (grad is None or torch.equal(grad, value))
+                              for (host_weight, grad), value in zip(before, values)))
+            checks.append(len(self.copies) == len(before) > 0)  # every copy still waits
+
+        def to_host(self, weight, host_weight):
+            earlier = copies.setdefault(host_weight, [])  # this step's copies of it so far
+            super().to_host(weight, host_weight)
+            sum_so_far = None
+            for copy in earlier:  # added in turn, as autograd accumulates 05f's .grad
+                sum_so_far = copy.clone() if sum_so_far is None else sum_so_far + copy
+            checks.append(host_weight not in self.copies and (
+                host_weight.grad is None if sum_so_far is None
+                else torch.equal(host_weight.grad, sum_so_far)))
+            earlier.append(self.arrived[-1][0].clone())
+
+        def add_all(self):
+            super().add_all()
+            checks.append(not self.copies and len(copies) > 0)
+            copies.clear()  # the next step starts anew
+
+    def gradients(optimizer, args, kwargs):  # what each of Adam's steps reads
+        read.append([weight.grad.clone() for weight in optimizer.param_groups[0]["params"]])
+
+    module.GradientsToHost = Watched
+    read = []
+    handle = register_optimizer_step_pre_hook(gradients)
+    try:
+        run_script("05i", QUICK, tmp_path, module)
+        run_script("05f", QUICK, tmp_path)
+    finally:
+        handle.remove()
+    assert checks and all(checks)
+    assert len(read) == 4  # two steps of each
+    for step, their_step in zip(read[:2], read[2:], strict=True):
+        assert all(torch.equal(mine, other) for mine, other in zip(step, their_step, strict=True))
+
+
+def test_a_gpus_thread_adds_the_copies_while_the_next_micro_batch_runs():
+    """The GPU's way, its thread run on a CPU: add_up() returns while the thread cannot have added
+    (it is held busy here), the next micro-batch's forward runs meanwhile, and each weight's next
+    copy waits for its sum; .grad is then the two gradients added once, on the thread."""
+    module = load_script("05i")
+    threads = set()
+
+    class OnAThread(module.GradientsToHost):
+        def add_copy(self, host_weight, copied=None):
+            threads.add(threading.current_thread())
+            super().add_copy(host_weight, copied)
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 4)
+    first, second = torch.randn(2, 3, 8)
+    expected = [one + two for one, two in zip(*(torch.autograd.grad(model(inputs).sum(), list(
+        model.parameters())) for inputs in (first, second)))]  # float32 sums, rounded once each
+    host_weights = [weight.detach().clone() for weight in model.parameters()]
+    to_host = OnAThread(model.parameters(), host_weights, torch.device("cpu"))
+    to_host.adder = ThreadPoolExecutor(1)
+    busy = threading.Event()
+    to_host.adder.submit(busy.wait)  # the thread held until released
+    model(first).sum().backward()
+    to_host.add_up()
+    loss = model(second).sum()  # the next forward, while the sums wait
+    assert all(host_weight.grad is None for host_weight in host_weights)
+    assert len(to_host.adding) == 2 and not any(sum_.done() for sum_ in to_host.adding.values())
+    busy.set()
+    loss.backward()  # each hook waits for its weight's sum before the next copy
+    to_host.add_up()
+    to_host.add_all()
+    assert not to_host.copies and not to_host.adding
+    assert all(torch.equal(host_weight.grad, sum_) for host_weight, sum_ in zip(host_weights, expected))
+    assert threads and threading.main_thread() not in threads
+
+
+def test_a_gpus_adding_thread_is_set_to_the_runs_gpu(monkeypatch):
+    """A new thread's CUDA calls go to GPU 0, opening a context there, unless it is told its GPU:
+    the thread that adds the copies is set to the device of their stream before its first sum."""
+    module = load_script("05i")
+    set_to = []
+
+    class Stream:  # what the constructor reads of a CUDA stream
+        def __init__(self, device):
+            self.device = device
+
+    monkeypatch.setattr(torch.cuda, "Stream", Stream)
+    monkeypatch.setattr(torch.cuda, "set_device",
+                        lambda device: set_to.append((device, threading.current_thread())))
+    to_host = module.GradientsToHost([], [], torch.device("cuda", 3))
+    to_host.adder.submit(lambda: None).result()
+    assert [device for device, _ in set_to] == [torch.device("cuda", 3)]
+    assert set_to[0][1] is not threading.main_thread()
 
 
 def test_gradients_sent_as_they_are_made_are_not_in_a_predicted_gpus_peak():
