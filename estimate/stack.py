@@ -111,8 +111,9 @@ CHAIN = (
          "on the host", group=4, sharded=True, gives_back="the model's loss, Adam, accumulation again"),
 )
 
-# With several GPUs (--world-size N above 1) the walk first shards, Adam exact: 10_combined.py
-# under torchrun splits parameters, gradients and Adam's state N ways (07). Each link is a whole
+# With several GPUs (--world-size N above 1) the walk first shards: 10_combined.py under
+# torchrun splits parameters, gradients and the optimizer's state N ways (07), Adam exact in the
+# first group, then with the switches it takes beside sharding. Each link is a whole
 # switch set; they are tried cheapest first by step_time (the chain's own terms for the same
 # switches, on batch/N of the tokens, and the interconnect's), a group at a time: adding one is
 # adding a line here.
@@ -583,12 +584,14 @@ def chain_text(task, parameters, tokens, shape, world_size, interconnect=None):
              f"GB/s{wire}; seconds added to a step of {tokens} tokens, a plain step "
              f"{6 * parameters * tokens / COST['gpu_flops']:.3g} s):"]
     if world_size > 1:
-        lines.append(f"  sharded over {world_size} GPUs first, Adam exact (10_combined.py under "
+        lines.append(f"  sharded over {world_size} GPUs first (10_combined.py under "
                      f"torchrun --nproc_per_node={world_size}), quickest first: a step's seconds on "
                      f"each GPU, computing 1/{world_size} of the tokens, at one micro-batch a GPU; a "
                      f"fit keeps {SHARDED_MARGIN:.0%} of --gpu-memory free (SHARDED_MARGIN: the "
                      "estimate leaves out NCCL's buffers and a real reduce-scatter's temporaries):")
-        for number, link in enumerate(sharded_links(costs, world_size), 1):
+        listed = [link for link in sharded_links(costs, world_size)
+                  if task == "causal-lm" or not link.causal_lm_only]
+        for number, link in enumerate(listed, 1):
             parts = step_time(costs, link.sets, world_size)
             lines.append(f"  {number}. {link.name}: {' '.join(argv_of(link.sets)) or '(none)'}; "
                          f"{sum(parts.values()):.3g} s a step ({parts_text(parts)}); {link.cost}")
@@ -597,7 +600,7 @@ def chain_text(task, parameters, tokens, shape, world_size, interconnect=None):
                      "micro-batches it fits:")
     group = None
     for number, (link, switches, notes) in enumerate(prefixes(task, seconds),
-                                                     1 + (len(SHARDED_CHAIN) if world_size > 1 else 0)):
+                                                     1 + (len(listed) if world_size > 1 else 0)):
         if link.group != group:
             group = link.group
             lines.append(f"  {GROUPS[group]}:")
