@@ -43,8 +43,8 @@ def train_step(model, optimizer, inputs, labels, device, accum_steps):  # gradie
         if weight.grad is not None:  # the gradient goes out (none: no step), queued: no wait
             host_weight.grad = weight.grad.to(HOST, non_blocking=True)  # into pinned memory
         weight.grad = None  # and is freed on the device
-    if device.type == "cuda":  # Adam on the host: one wait, for the copies out (queued on this stream)
-        torch.cuda.current_stream(device).synchronize()
+    if device.type == "cuda":  # Adam on the host: one wait, for the copies out: an event after them
+        torch.cuda.current_stream(device).record_event().synchronize()
     optimizer.step()
     for weight, host_weight in zip(model.parameters(), host_weights):  # Adam on the host
         weight.detach().copy_(host_weight, non_blocking=True)  # the updated weight comes back

@@ -591,8 +591,8 @@ def step_on_host(optimizer, weights):  # Adam on the host: gradients out, the st
         if weight.grad is not None:  # Adam on the host: the gradient goes out (none: no step), queued
             host_weight.grad = weight.grad.to(HOST, non_blocking=True)  # Adam on the host: into pinned memory
         weight.grad = None  # Adam on the host: and is freed on the device
-    if weights[0].is_cuda:  # Adam on the host: one wait, for the copies out (queued on this stream)
-        torch.cuda.current_stream(weights[0].device).synchronize()
+    if weights[0].is_cuda:  # Adam on the host: one wait, for the copies out: an event after them
+        torch.cuda.current_stream(weights[0].device).record_event().synchronize()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     for weight, host_weight in zip(weights, host_weights):  # Adam on the host
