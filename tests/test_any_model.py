@@ -224,3 +224,15 @@ def test_the_at_scale_measurement_runs_commands_the_scripts_take_and_tables_thei
     assert "| vit-large | 01 | 105.0 / 200.0 | 100.0 / 200.0 | 1.050 / 1.000 | 220.0 |" in rows
     assert "| vit-large | 02 | 110.0 / 220.0 (whole run" in rows
     assert "| vit-large | 03 | no record |" in rows
+
+
+@pytest.mark.parametrize("folder, parameters", [("llama-3.1-8b", 8_030_261_248),
+                                                ("llama-3.1-70b", 70_553_706_496)])
+def test_the_config_only_models_are_the_ones_the_docs_name(folder, parameters):
+    """docs/models' configs build, on the meta device, the models whose sizes docs/combined.md and
+    docs/causal-lm.md state (8.03B and 70.55B parameters: Llama-3.1's published configs)."""
+    import transformers
+    config = transformers.AutoConfig.from_pretrained(ROOT / "docs" / "models" / folder)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    assert sum(parameter.numel() for parameter in model.parameters()) == parameters
