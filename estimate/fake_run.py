@@ -33,6 +33,7 @@ from estimate.fake_tensor_patches import (
     device_meshes_made_for_real,
     process_group_only_through_init_distributed,
     quantization_maps_computed_once,
+    reduce_scatters_copying_their_input,
     sharding_propagation_apart,
     swappable_fake_parameters,
 )
@@ -193,6 +194,7 @@ def fake_run(script_path, argv, world_size, gpu, any_batch_size, every_micro_bat
         stack.enter_context(device_meshes_made_for_real())
         stack.enter_context(sharding_propagation_apart())
         stack.enter_context(cuda_optimizer_defaults() if emulate_cuda else nullcontext())
+        stack.enter_context(nullcontext() if emulate_cuda else reduce_scatters_copying_their_input())
         stack.enter_context(quantization_maps_computed_once())
         stack.enter_context(run.trace.recording())
         stack.enter_context(process_group_only_through_init_distributed(Path(script_path).name))

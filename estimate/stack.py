@@ -52,10 +52,10 @@ COST = {"gpu_flops": 150e12,  # bfloat16 matrix products actually reached (an A1
         "interconnect_bytes_per_s": 200e9,
         }
 # Of --gpu-memory, kept free by a sharded fit (N GPUs): the estimate sees one process of N and
-# leaves out what the collectives hold outside it, NCCL's own buffers and a real reduce-scatter's
-# temporaries (gloo's on the CPU: 16% above the estimate of a tiny Llama under 07,
-# docs/estimator.md); no sharded run has been measured on GPUs (docs/gpus.md: groups of one), and
-# one-GPU runs at scale reserved up to 1.036 of their prediction.
+# leaves out what NCCL holds outside the tensors it is given (its own buffers; gloo's copy on the
+# CPU is counted, and 2-process CPU runs equal their estimates: tests/test_distributed.py); no
+# sharded run has been measured on GPUs (docs/gpus.md: groups of one), and one-GPU runs at scale
+# reserved up to 1.036 of their prediction.
 SHARDED_MARGIN = 0.10
 
 
@@ -588,7 +588,7 @@ def chain_text(task, parameters, tokens, shape, world_size, interconnect=None):
                      f"torchrun --nproc_per_node={world_size}), quickest first: a step's seconds on "
                      f"each GPU, computing 1/{world_size} of the tokens, at one micro-batch a GPU; a "
                      f"fit keeps {SHARDED_MARGIN:.0%} of --gpu-memory free (SHARDED_MARGIN: the "
-                     "estimate leaves out NCCL's buffers and a real reduce-scatter's temporaries):")
+                     "estimate leaves out NCCL's own buffers):")
         listed = [link for link in sharded_links(costs, world_size)
                   if task == "causal-lm" or not link.causal_lm_only]
         for number, link in enumerate(listed, 1):

@@ -5,10 +5,17 @@ which notes what every process holds; a run is shared by the tests that read it.
 tests start the two processes themselves, with the environment torchrun gives its workers, to
 see each one's exit code and message. Every test that starts processes has a timeout, and a run
 that outlives its own is killed with all its processes.
+
+The estimate of a sharded run is checked against what each process measured: 07-09, and 10 with
+each link of the stack's sharded chain, in one launch through tests/support/sharded_runs.py (as
+the scripts train, in bfloat16), which waits for gloo's worker threads to let go of each
+collective's tensors, so that the count does not hang on their timing.
 """
 import gc
 import json
+import math
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -34,6 +41,9 @@ from conftest import (
     script_path,
     stop,
 )
+from estimate.fit import micro_row
+from estimate.predict import predict
+from estimate.stack import SHARDED_CHAIN, argv_of
 from tour.records import RECORD_FIELDS
 
 
@@ -422,3 +432,112 @@ def test_the_group_waits_long_enough_for_process_0_to_load_the_weights(monkeypat
     monkeypatch.setattr(dist, "get_world_size", lambda: 1)
     common.distributed.init_distributed(torch.device("cpu"))
     assert asked["timeout"] >= timedelta(minutes=30)
+
+
+# ---- the estimate of a sharded run, process by process ------------------------------------------
+
+# A grouped-query decoder (4 query heads, 2 key/value heads) whose vocabulary (257 rows) does not
+# split evenly, from its config alone, trained on synthetic token ids: one text of 8 tokens a
+# micro-batch a process, so that the weights, their gathers and their reduce-scatters make the
+# peak rather than the activations (under checkpointing a reduce-scatter's own copy of its input,
+# on the CPU, then sets it).
+GQA_LLAMA = dict(model_type="llama", vocab_size=257, hidden_size=128, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, intermediate_size=256,
+                 max_position_embeddings=64, pad_token_id=0)
+GQA_RUN = ["--data", "synthetic", "--task", "causal-lm", "--seq-len", "8", "--epochs", "1",
+           "--max-steps", "2", "--device", "cpu"]
+MICRO_BATCH = 1  # samples a process, a micro-batch
+
+
+def chain_flags(link):
+    """10's flags for a link of the stack's sharded chain, as the stack's walk estimates it: two
+    micro-batches a step, or, for Adam stepped in backward, none to accumulate (estimate/stack.py,
+    estimate/fit.py's micro_row)."""
+    accumulates = ("--optimizer-in-backward", True) not in link.sets
+    return micro_row(script_path("10"), argv_of(link.sets), WORLD_SIZE, MICRO_BATCH,
+                     accumulates).argv
+
+
+# 10's other switches beside sharding (docs/combined.md#beside-sharding), not links of the chain:
+# the losses as the root's forward, each process's shards stepped, Adam stepped in backward
+BESIDE_SHARDING = (("--loss", "fused", "--optimizer-in-backward", "--stochastic-rounding"),
+                   ("--loss", "chunked", "--optimizer", "adamw-4bit", "--checkpointing", "selective"))
+
+# (name, script, flags beside GQA_RUN and --model): 07-09, and 10 with each link of the chain
+SHARDED_CASES = [
+    *((step, step, ["--batch-size", str(2 * MICRO_BATCH * WORLD_SIZE), "--accum-steps", "2"])
+      for step in ("07", "08", "09")),
+    *((re.sub(r"\W+", "-", link.name), "10", chain_flags(link)) for link in SHARDED_CHAIN),
+    *(("-".join(word.strip("-") for word in switches), "10",
+       micro_row(script_path("10"), list(switches), WORLD_SIZE, MICRO_BATCH,
+                 "--optimizer-in-backward" not in switches).argv) for switches in BESIDE_SHARDING)]
+SHARDED_LAUNCH_TIMEOUT = 30 * len(SHARDED_CASES)  # seconds; a run takes a few
+
+
+@pytest.fixture(scope="module")
+def sharded_runs(tmp_path_factory):
+    """Every case of SHARDED_CASES run for 2 optimizer steps in one torchrun launch of 2 processes
+    (tests/support/sharded_runs.py), and estimated while it runs: {name: (its record, or the
+    words its script stopped with; its estimate, or what the estimate raised)}."""
+    root = tmp_path_factory.mktemp("sharded")
+    model = root / "gqa-llama"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(GQA_LLAMA))
+    runs = [[name, step, [*GQA_RUN, "--model", str(model), *flags]]
+            for name, step, flags in SHARDED_CASES]
+    (root / "runs.json").write_text(json.dumps(runs))
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               f"--nproc_per_node={WORLD_SIZE}", "tests/support/sharded_runs.py", root / "out",
+               root / "runs.json"]
+    with open(root / "output.txt", "w") as output:
+        launch = subprocess.Popen(command, cwd=ROOT, stdout=output, stderr=subprocess.STDOUT,
+                                  start_new_session=True)
+        try:
+            predicted = {name: estimated(step, argv) for name, step, argv in runs}
+            launch.wait(timeout=SHARDED_LAUNCH_TIMEOUT)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"still running after {SHARDED_LAUNCH_TIMEOUT} s, so killed")
+        finally:
+            stop(launch)
+    assert launch.returncode == 0, (root / "output.txt").read_text()
+    outcomes = {}
+    for name, _, _ in runs:
+        stopped = root / "out" / name / "stopped.txt"
+        outcomes[name] = (stopped.read_text() if stopped.exists() else json.loads(
+            next((root / "out" / name).glob("*.json")).read_text()), predicted[name])
+    return outcomes
+
+
+def estimated(step, argv):
+    """predict()'s record, or the error it raised (raised again by the case's own test)."""
+    try:
+        return predict(script_path(step), argv, world_size=WORLD_SIZE)
+    except Exception as error:  # noqa: BLE001
+        return error
+
+
+@pytest.mark.xdist_group(__name__)  # with this module's other shared runs, on one worker
+@pytest.mark.timeout(SHARDED_LAUNCH_TIMEOUT + 120)
+@pytest.mark.parametrize("name, step", [(name, step) for name, step, _ in SHARDED_CASES],
+                         ids=[name for name, _, _ in SHARDED_CASES])
+def test_a_sharded_run_trains_and_its_cpu_estimate_is_the_peak_of_process_0(name, step,
+                                                                            sharded_runs):
+    """07-09, and 10 with the switches of each link of the stack's sharded chain (read from
+    estimate/stack.py, so that a link added there is run here): each trains in 2 processes
+    (10's refusals let it), and the estimate with --world-size 2 --device cpu is process 0's
+    tracked peak and breakdown, to the byte. Process 0 holds the larger half of a weight whose
+    rows do not split evenly (FSDP pads its shard, not Adam's state of it, 10's default): the
+    highest peak, the record's; the other process's is no higher, and equal where nothing is kept
+    of the unpadded shards (07-09's plain SGD)."""
+    record, predicted = sharded_runs[name]
+    assert isinstance(record, dict), f"{name}: the script stopped: {record}"
+    assert record["world_size"] == WORLD_SIZE and record["steps"] == 2
+    assert all(math.isfinite(loss) for loss in record["losses"])
+    if isinstance(predicted, Exception):
+        raise predicted
+    peaks = record["rank_peak_memory_bytes"]
+    assert peaks[0] == record["peak_memory_bytes"] == predicted["allocated_bytes"], peaks
+    assert record["breakdown_bytes"] == predicted["breakdown_bytes"]  # (the first highest's)
+    assert all(peak <= peaks[0] for peak in peaks), peaks
+    if step != "10":  # SGD: no state; gradients and weights in padded shards
+        assert len(set(peaks)) == 1, peaks
