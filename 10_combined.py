@@ -353,6 +353,12 @@ def refusal(args):
         return (f"--optimizer adafactor with {sharded}: its second moment is factored into the "
                 "sums of each weight's rows and columns, and a process holds some rows only; use "
                 "--optimizer adam, sgd, adamw-8bit or adamw-4bit")
+    if args.optimizer == "adamw-8bit" and args.optimizer_in_backward and launched_sharded(args) \
+            and not args.offload:
+        return ("--optimizer adamw-8bit with --optimizer-in-backward under torchrun: FSDP calls "
+                "each weight's step on its reduce-scatter stream, and bitsandbytes launches its "
+                "kernels on the default stream, so a step could read a gradient shard before the "
+                "reduce-scatter has written it; use --optimizer adamw-4bit, or one of them")
     if args.optimizer in ("adamw-8bit", "adamw-4bit") and args.precision == "mixed" \
             and launched_sharded(args):
         return (f"--optimizer {args.optimizer} with --precision mixed and {sharded}: it steps each "

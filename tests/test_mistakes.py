@@ -142,3 +142,17 @@ def test_publishing_the_tour_to_a_file_is_refused_before_the_first_step(tmp_path
     said = refused(lambda argv: tour_args(argv), ["--publish", str(file)], capsys)
     assert said.startswith("python -m tour: error: --publish") or "--publish" in said
     assert "it is a file, not a directory" in said
+
+
+def test_8bit_adamw_stepped_in_backward_under_torchrun_is_refused(tmp_path, capsys, monkeypatch):
+    """Under torchrun FSDP steps each weight on its reduce-scatter stream, where bitsandbytes'
+    kernels (launched on the default stream) could read a gradient shard too early; refused
+    before the group starts, as torchrun's process 0 (with --offload, on the host, it trains)."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    said = refused(load_script("10").main, [*QUICK, "--optimizer", "adamw-8bit",
+                                            "--optimizer-in-backward", "--results-dir",
+                                            str(tmp_path)], capsys)
+    assert said.startswith("error: --optimizer adamw-8bit with --optimizer-in-backward under "
+                           "torchrun:") and "\n" not in said
+    assert nothing_in(tmp_path)
