@@ -51,8 +51,22 @@ AT_SCALE = {  # the studies' models on random data of their shapes: no download
     "bert-large": ["--preset", "tiny-text", "--model", "docs/models/bert-large-uncased",
                    "--seq-len", "512", "--batch-size", "16", "--data", "synthetic"],
 }
-AT_SCALE_STEPS = {"vit-large": ("01", "02", "03", "04", "05c", "06"),
-                  "llama-1b": ("04", "05c", "05h"), "bert-large": ("01", "04")}
+AT_SCALE_STEPS = {"vit-large": ("01", "02", "03", "04", "05c", "06", "10"),
+                  "llama-1b": ("04", "05c", "05h", "10"), "bert-large": ("01", "04")}
+# 10_combined.py runs the stack's answer, computed beforehand on the CPU (docs/combined.md): the
+# chain's prefix up to the link named, in micro-batches of batch / accumulation steps. ViT-L/16's
+# is how low one GPU goes (python -m estimate --preset article --batch-size 64 --gpu-memory 0.7GB
+# --stack-only: 0.66 GB); Llama-3.2-1B's the 24 GB answer (... --gpu-memory 24GB: 17.35 GB)
+AT_SCALE_STACKS = {"vit-large": ("classification", "gradients to host", 64),
+                   "llama-1b": ("causal-lm", "bf16", 8)}
+
+
+def stack_flags(setting):
+    """10_combined.py's switches for `setting`'s stack (AT_SCALE_STACKS)."""
+    from estimate.stack import argv_of, prefixes
+    task, name, accum_steps = AT_SCALE_STACKS[setting]
+    switches = next(switches for link, switches, _ in prefixes(task) if link.name == name)
+    return [*argv_of(switches), "--accum-steps", str(accum_steps)]
 
 
 def runs(at_scale=False):
@@ -66,6 +80,8 @@ def runs(at_scale=False):
 
 def command(preset, step_id, results, extra=()):
     flags = AT_SCALE.get(preset) or PRESETS[preset]
+    if preset in AT_SCALE_STACKS and step_id == "10":  # the stack's answer
+        flags = [*flags, *stack_flags(preset)]
     return [sys.executable, str(STEPS[step_id].path), *flags, *TWO_STEPS,
             "--results-dir", str(results), *extra]
 
