@@ -208,9 +208,12 @@ def test_the_at_scale_measurement_runs_commands_the_scripts_take_and_tables_thei
     spec.loader.exec_module(measured)
     for setting, step in measured.runs(at_scale=True):
         words = measured.command(setting, step, tmp_path / setting)[2:]
+        script = load_script(step)  # its own flags (10: its switches)
         args = parse_args("", [*words, "--device", "cpu"],
-                          flags=getattr(load_script(step), "own_flags", None))
+                          flags=getattr(script, "own_flags", getattr(script, "switches", None)))
         assert args.data == "synthetic" and args.max_steps == 2
+        if step == "10":  # the stack's answer: switches 10 takes together
+            assert script.refusal(args) is None and args.accum_steps > 1
     record = {"predicted_allocated_bytes": 100 * 2**20, "predicted_reserved_bytes": 200 * 2**20,
               "cuda_max_allocated_bytes": 110 * 2**20, "cuda_max_reserved_bytes": 220 * 2**20,
               "predicted_gpu": "H100 emulated"}
