@@ -171,8 +171,10 @@ class AllocationTracker:
 
     def note_gradient(self, parameter):
         """A model parameter's gradient, as backward finishes it: 05f moves it off the device
-        and frees it before the optimizer's step, where note_gradients would look."""
-        self.gradients |= set(storages([parameter.grad]))
+        and frees it before the optimizer's step, where note_gradients would look (04a's hook,
+        which steps and frees it, may have run first: nothing left to note)."""
+        if parameter.grad is not None:
+            self.gradients |= set(storages([parameter.grad]))
 
     def __enter__(self):
         self.gradients.clear()
