@@ -923,7 +923,10 @@ def local_shards(weights):  # sharded switches: 8-bit and 4-bit AdamW, stochasti
 
 def move_gradient(weight, shard):  # sharded switches: the gradient shard onto the plain one
     gradient = weight.grad.to_local()
-    shard.grad = gradient if shard.grad is None else shard.grad.add_(gradient)
+    # a weight of fewer rows than processes leaves some an empty shard: given no gradient, it is
+    # not stepped (bitsandbytes would launch a kernel over no elements, which CUDA refuses)
+    if shard.numel():
+        shard.grad = gradient if shard.grad is None else shard.grad.add_(gradient)
     weight.grad = None
 
 

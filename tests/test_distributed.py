@@ -463,14 +463,27 @@ def chain_flags(link):
 BESIDE_SHARDING = (("--loss", "fused", "--optimizer-in-backward", "--stochastic-rounding"),
                    ("--loss", "chunked", "--optimizer", "adamw-4bit", "--checkpointing", "selective"))
 
-# (name, script, flags beside GQA_RUN and --model): 07-09, and 10 with each link of the chain
+# 10 stepping each process's shards on the tiny ViT, whose class token (1 x 1 x 128) and position
+# table (1 x 17 x 128) have one row: the second process's shards of them are empty, and must not
+# be stepped (on a GPU, bitsandbytes launches its kernel over no elements, and CUDA ends the
+# process)
+VIT_RUN = ["--data", "synthetic", "--epochs", "1", "--max-steps", "2", "--device", "cpu"]
+EMPTY_SHARDS = {"vit-adamw-8bit": ["--batch-size", "4", "--accum-steps", "2", "--optimizer", "adamw-8bit"],
+                "vit-adamw-4bit-in-backward": ["--batch-size", "2", "--optimizer", "adamw-4bit",
+                                               "--optimizer-in-backward"],
+                "vit-stochastic-rounding-offload": ["--batch-size", "4", "--accum-steps", "2",
+                                                    "--stochastic-rounding", "--offload"]}
+
+# (name, script, flags beside GQA_RUN and --model, or None: beside VIT_RUN): 07-09, 10 with each
+# link of the chain and with other switches beside sharding, and 10 with empty shards
 SHARDED_CASES = [
     *((step, step, ["--batch-size", str(2 * MICRO_BATCH * WORLD_SIZE), "--accum-steps", "2"])
       for step in ("07", "08", "09")),
     *((re.sub(r"\W+", "-", link.name), "10", chain_flags(link)) for link in SHARDED_CHAIN),
     *(("-".join(word.strip("-") for word in switches), "10",
        micro_row(script_path("10"), list(switches), WORLD_SIZE, MICRO_BATCH,
-                 "--optimizer-in-backward" not in switches).argv) for switches in BESIDE_SHARDING)]
+                 "--optimizer-in-backward" not in switches).argv) for switches in BESIDE_SHARDING),
+    *((name, "10", None) for name in EMPTY_SHARDS)]
 SHARDED_LAUNCH_TIMEOUT = 30 * len(SHARDED_CASES)  # seconds; a run takes a few
 
 
@@ -478,13 +491,14 @@ SHARDED_LAUNCH_TIMEOUT = 30 * len(SHARDED_CASES)  # seconds; a run takes a few
 def sharded_runs(tmp_path_factory):
     """Every case of SHARDED_CASES run for 2 optimizer steps in one torchrun launch of 2 processes
     (tests/support/sharded_runs.py), and estimated while it runs: {name: (its record, or the
-    words its script stopped with; its estimate, or what the estimate raised)}."""
+    words its script stopped with; its estimate, or what the estimate raised; each process's
+    [empty tensors, empty tensors with a gradient] of each optimizer step)}."""
     root = tmp_path_factory.mktemp("sharded")
     model = root / "gqa-llama"
     model.mkdir()
     (model / "config.json").write_text(json.dumps(GQA_LLAMA))
-    runs = [[name, step, [*GQA_RUN, "--model", str(model), *flags]]
-            for name, step, flags in SHARDED_CASES]
+    runs = [[name, step, [*VIT_RUN, *EMPTY_SHARDS[name]] if flags is None
+             else [*GQA_RUN, "--model", str(model), *flags]] for name, step, flags in SHARDED_CASES]
     (root / "runs.json").write_text(json.dumps(runs))
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                f"--nproc_per_node={WORLD_SIZE}", "tests/support/sharded_runs.py", root / "out",
@@ -503,8 +517,12 @@ def sharded_runs(tmp_path_factory):
     outcomes = {}
     for name, _, _ in runs:
         stopped = root / "out" / name / "stopped.txt"
-        outcomes[name] = (stopped.read_text() if stopped.exists() else json.loads(
-            next((root / "out" / name).glob("*.json")).read_text()), predicted[name])
+        record = next(path for path in (root / "out" / name).glob("*.json")
+                      if not path.name.endswith("-steps.json"))
+        outcomes[name] = (stopped.read_text() if stopped.exists() else json.loads(record.read_text()),
+                          predicted[name],
+                          [json.loads((root / "out" / name / f"rank{rank}-steps.json").read_text())
+                           for rank in range(WORLD_SIZE)])
     return outcomes
 
 
@@ -529,7 +547,7 @@ def test_a_sharded_run_trains_and_its_cpu_estimate_is_the_peak_of_process_0(name
     rows do not split evenly (FSDP pads its shard, not Adam's state of it, 10's default): the
     highest peak, the record's; the other process's is no higher, and equal where nothing is kept
     of the unpadded shards (07-09's plain SGD)."""
-    record, predicted = sharded_runs[name]
+    record, predicted, _ = sharded_runs[name]
     assert isinstance(record, dict), f"{name}: the script stopped: {record}"
     assert record["world_size"] == WORLD_SIZE and record["steps"] == 2
     assert all(math.isfinite(loss) for loss in record["losses"])
@@ -541,3 +559,18 @@ def test_a_sharded_run_trains_and_its_cpu_estimate_is_the_peak_of_process_0(name
     assert all(peak <= peaks[0] for peak in peaks), peaks
     if step != "10":  # SGD: no state; gradients and weights in padded shards
         assert len(set(peaks)) == 1, peaks
+
+
+@pytest.mark.xdist_group(__name__)
+@pytest.mark.timeout(SHARDED_LAUNCH_TIMEOUT + 120)
+@pytest.mark.parametrize("name", EMPTY_SHARDS)
+def test_no_optimizer_is_handed_an_empty_shard_with_a_gradient(name, sharded_runs):
+    """A weight of fewer rows than processes leaves the second process an empty shard, which FSDP
+    still hands a gradient: 10 gives the plain tensor stepped in its place none, so no optimizer
+    (8-bit or 4-bit AdamW, stochastic rounding; in backward or after it) steps zero elements."""
+    record, _, steps = sharded_runs[name]
+    assert isinstance(record, dict), f"{name}: the script stopped: {record}"
+    assert record["world_size"] == WORLD_SIZE and record["steps"] == 2
+    empty, with_gradient = (sum(counts[i] for rank in steps for counts in rank) for i in (0, 1))
+    assert empty > 0, "no process held an empty shard: the case tests nothing"
+    assert with_gradient == 0, steps

@@ -5,7 +5,9 @@ record, with each collective waiting until gloo's worker thread has let go of it
       tests/support/sharded_runs.py OUT_DIR RUNS_JSON
 
 RUNS_JSON is a list of [name, script id, argv]; each run writes its record in OUT_DIR/<name>/,
-or, where the script stops on its own check, the words it stops with in OUT_DIR/<name>/stopped.txt.
+or, where the script stops on its own check, the words it stops with in OUT_DIR/<name>/stopped.txt;
+each process writes OUT_DIR/<name>/rank<R>-steps.json: for each optimizer step, how many of its
+tensors were empty, and how many of those came with a gradient.
 One launch for several runs: starting torchrun and two Pythons is most of a small run's time.
 
 Test-only changes, made from outside as the estimate does:
@@ -22,6 +24,7 @@ Test-only changes, made from outside as the estimate does:
 """
 import itertools
 import json
+import os
 import sys
 import time
 from contextlib import contextmanager
@@ -30,6 +33,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository, for steps.py
@@ -118,15 +122,35 @@ def collectives_letting_go():
             setattr(dist, name, collective)
 
 
+@contextmanager
+def empty_tensors_noted(steps):
+    """Notes, for each optimizer step, [empty tensors, empty tensors with a gradient] among
+    those it steps: a process's shard of a weight with fewer rows than processes is empty."""
+    def note(optimizer, args, kwargs):
+        params = [param for group in optimizer.param_groups for param in group["params"]]
+        empty = [param for param in params if param.numel() == 0]
+        steps.append([len(empty), sum(param.grad is not None for param in empty)])
+
+    handle = register_optimizer_step_pre_hook(note)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
 def main():
     out_dir, runs = Path(sys.argv[1]), json.loads(Path(sys.argv[2]).read_text())
     with groups_apart(), collectives_letting_go():
         for name, step, argv in runs:
+            steps = []
             try:
-                import_script(STEPS[step].path).main([*argv, "--results-dir", str(out_dir / name)])
+                with empty_tensors_noted(steps):
+                    import_script(STEPS[step].path).main([*argv, "--results-dir", str(out_dir / name)])
             except SystemExit as stop:  # the script's own check (10's refusals): its words
                 (out_dir / name).mkdir(parents=True, exist_ok=True)
                 (out_dir / name / "stopped.txt").write_text(str(stop.code))
+            (out_dir / name).mkdir(parents=True, exist_ok=True)
+            (out_dir / name / f"rank{os.environ['RANK']}-steps.json").write_text(json.dumps(steps))
 
 
 if __name__ == "__main__":
