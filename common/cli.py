@@ -64,20 +64,6 @@ def fraction(text):
     return value
 
 
-CHECKPOINTING = ("none", "full", "selective", "offloaded")
-
-
-def checkpointing_kind(text):
-    """10's --checkpointing: one of CHECKPOINTING, or budget:F with F from 0 to 1 (05k)."""
-    if text in CHECKPOINTING:
-        return text
-    kind, _, value = text.partition(":")
-    if kind != "budget":
-        raise argparse.ArgumentTypeError(f"expected {', '.join(CHECKPOINTING)} or budget:F (F from "
-                                         f"0 to 1), got {text!r}")
-    return f"budget:{fraction(value)}"
-
-
 def unwritable(directory):
     """Why a file cannot be written in --results-dir `directory` (created if missing), in words
     that say what to do, or None: checked before any training, so that a long run never ends
@@ -257,9 +243,7 @@ def parse_args(description, argv=None, task=None, flags=None):
     elif args.batch_size % args.accum_steps:
         parser.error(f"--batch-size {args.batch_size} is not divisible by --accum-steps "
                      f"{args.accum_steps}: every micro-batch must have the same size")
-    import common.memory
-    common.memory.SNAPSHOT_FILE = None  # set again below for this run only (runs in one process)
-    if args.memory_snapshot:
+    if args.memory_snapshot:  # the script's MemoryMeter records it
         check_snapshot(parser, args)
     if args.device == "auto":
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -329,9 +313,6 @@ def check_snapshot(parser, args):
     if not args.estimate and (args.device == "cpu" or not torch.cuda.is_available()):
         parser.error("--memory-snapshot records the CUDA allocator, and this run is on the CPU: "
                      "run it on a GPU, or add --estimate for the predicted snapshot")
-    if not args.estimate:
-        import common.memory
-        common.memory.SNAPSHOT_FILE = args.memory_snapshot  # the meter records the tracked steps
 
 
 def model_preset(parser, args, given, only_task=None):

@@ -210,7 +210,7 @@ def test_the_at_scale_measurement_runs_commands_the_scripts_take_and_tables_thei
         words = measured.command(setting, step, tmp_path / setting)[2:]
         script = load_script(step)  # its own flags (10: its switches)
         args = parse_args("", [*words, "--device", "cpu"],
-                          flags=getattr(script, "own_flags", getattr(script, "switches", None)))
+                          flags=getattr(script, "own_flags", None))
         assert args.data == "synthetic" and args.max_steps == 2
         if step == "10":  # the stack's answer: switches 10 takes together
             assert script.refusal(args) is None and args.accum_steps > 1

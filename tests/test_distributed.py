@@ -172,8 +172,8 @@ def watching_model_and_group(name):
     script, alive = load_script(name), []
 
     class WatchingMeter(script.MemoryMeter):
-        def __init__(self, device, model, optimizer):
-            super().__init__(device, model, optimizer)
+        def __init__(self, device, model, optimizer, **options):
+            super().__init__(device, model, optimizer, **options)
             alive.extend([weakref.ref(model), weakref.ref(torch.distributed.group.WORLD)])
 
     script.MemoryMeter = WatchingMeter

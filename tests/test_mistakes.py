@@ -153,6 +153,6 @@ def test_8bit_adamw_stepped_in_backward_under_torchrun_is_refused(tmp_path, caps
     said = refused(load_script("10").main, [*QUICK, "--optimizer", "adamw-8bit",
                                             "--optimizer-in-backward", "--results-dir",
                                             str(tmp_path)], capsys)
-    assert said.startswith("error: --optimizer adamw-8bit with --optimizer-in-backward under "
-                           "torchrun:") and "\n" not in said
+    assert said.startswith("error: --optimizer adamw-8bit with --optimizer-in-backward and "
+                           "sharding (torchrun):") and "\n" not in said
     assert nothing_in(tmp_path)
