@@ -30,6 +30,7 @@ from common.model import create_model, transformer_blocks
 from common.presets import PRESETS
 from conftest import (
     PROBED_TEST_TIMEOUT,
+    QUICK,
     ROOT,
     SHARDED_RUN,
     TEXT,
@@ -574,3 +575,24 @@ def test_no_optimizer_is_handed_an_empty_shard_with_a_gradient(name, sharded_run
     empty, with_gradient = (sum(counts[i] for rank in steps for counts in rank) for i in (0, 1))
     assert empty > 0, "no process held an empty shard: the case tests nothing"
     assert with_gradient == 0, steps
+
+
+@pytest.mark.parametrize("in_backward", [False, True], ids=["after backward", "in backward"])
+def test_a_hook_moves_gradient_shards_only_for_a_step_in_backward(in_backward, tmp_path):
+    """A post-accumulate-grad hook on a sharded weight turns off FSDP's overlapped copy of its
+    gradient into pinned host memory (--offload on a GPU: every gradient then copied with a
+    blocking .to("cpu")). 10 stepping plain shards (8-bit AdamW here) moves them before its
+    step; only a step in backward needs the hook, which is where it hands each one over."""
+    script, hooked = load_script("10"), []
+
+    class Watching(script.MemoryMeter):
+        def __init__(self, device, model, optimizer, **options):
+            super().__init__(device, model, optimizer, **options)
+            hooked.extend(bool(param._post_accumulate_grad_hooks) for param in model.parameters())
+
+    script.MemoryMeter = Watching
+    record = script.main([*QUICK, "--offload", "--optimizer", "adamw-8bit", "--batch-size", "4",
+                          *(["--optimizer-in-backward"] if in_backward else ["--accum-steps", "2"]),
+                          "--results-dir", str(tmp_path)])
+    assert record["steps"] == 2 and all(math.isfinite(loss) for loss in record["losses"])
+    assert hooked and set(hooked) == {in_backward}
