@@ -147,6 +147,11 @@ def shown_path(path):
     return path.relative_to(ROOT).as_posix() if path.is_relative_to(ROOT) else str(path)
 
 
+def is_published(publish_dir):
+    """Whether `publish_dir` is one of the repository's published directories (PUBLISHED)."""
+    return any(Path(publish_dir).resolve() == (ROOT / directory).resolve() for directory in PUBLISHED)
+
+
 def publish_problem(publish_dir, preset, task, shortened):
     """Why --publish `publish_dir` refuses this tour (None if it does not): a directory of
     PUBLISHED takes only a tour of its own preset and task, at full length with its estimate

@@ -45,6 +45,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+import tour.code_tables as code_tables
 from common.atomic_write import write_json_atomically
 from common.cli import add_shared_flags, positive_int
 from common.presets import PRESETS, for_task
@@ -54,7 +55,7 @@ from estimate.stack import whole_stack
 from steps import STEPS, UnknownStep, select, step_of
 from tour.machine import this_machine
 from tour.partial import Refused, publish_rows, read_table
-from tour.publish import publish, publish_problem
+from tour.publish import is_published, publish, publish_problem
 from tour.records import STACK_SUFFIX, TOUR_FILE, read_json
 from tour.report import ESTIMATE_CHART, ESTIMATE_TABLE, REPORT_FILES, TOUR_CHART, TOUR_TABLE, write_report
 
@@ -536,6 +537,11 @@ def main(argv=None, scripts_dir=None):
     elif args.publish:  # with the estimate's records, from which a later --steps draws its chart
         publish(results_dir, [*report_names, *([ESTIMATE_FILE] if ESTIMATE_TABLE in report_names
                                                 else [])], args.publish)
+    if args.publish and not failed and is_published(args.publish):
+        # and the tables docs/ shows of the code (a new step's rows in them too): tour/code_tables.py
+        written = code_tables.write()
+        print(f"and the tables of the code in {', '.join(written)}" if written else
+              "the tables of the code in docs/ are as the code gives them")
     if failed:
         print(f"failed: {', '.join(failed)} (see the table)")
     return 1 if failed else 0

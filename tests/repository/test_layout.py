@@ -17,8 +17,8 @@ import pytest
 
 from conftest import QUICK, ROOT, load_script, script_path
 from steps import STEPS, scripts, step_id
-from support.copy_needs import common_imported, imported_by
 from support.tags import TAGS, has_tag, switch_pairs
+from tour.code_tables import common_imported, imported_by
 
 # the tag each step puts on the lines it adds (steps.py; also listed in the README)
 
