@@ -149,6 +149,18 @@ def evaluate_in_group(rank, init_file, out_dir):
     (out_dir / f"rank{rank}.json").write_text(json.dumps([accuracy, accuracy.samples]))
 
 
+def test_accuracy_is_the_share_of_samples_whose_highest_logit_is_their_label():
+    """torchmetrics' micro-averaged count, over batches of classes seen unevenly (a macro average,
+    torchmetrics' default, would weigh each class's accuracy alike instead: 0.5 here)."""
+    generator = torch.Generator().manual_seed(0)
+    batches = [({"logits": torch.randn(size, 3, generator=generator)},
+                torch.randint(0, 3, (size,), generator=generator)) for size in (5, 7, 4)]
+    correct = sum(int((inputs["logits"].argmax(-1) == labels).sum()) for inputs, labels in batches)
+    batches += batches_of([0, 0, 0, 0, 1], [0, 0, 0, 0, 0])  # class 0: 4 of 5 right
+    found = evaluate(GivenLogits(), batches, torch.device("cpu"))
+    assert (found, found.samples) == ((correct + 4) / 21, 21)
+
+
 @pytest.mark.timeout(120)
 def test_accuracy_counts_every_sample_of_processes_that_saw_different_numbers(tmp_path):
     alone = evaluate(GivenLogits(), [pair for share in UNEVEN_SHARES for pair in share],
