@@ -16,7 +16,7 @@ code under its script's name. steps.py lists the switches that equal each script
   python %(prog)s --offload --checkpointing full --estimate   # 09 as a group of one, predicted
 """
 import argparse
-import math
+import math  # GaLore: the bias corrections
 import os
 import sys
 from concurrent.futures import ThreadPoolExecutor  # gradients to host: a GPU's sums on a thread
@@ -51,11 +51,12 @@ from common.quirks import (BlockWrapper, check_output_layer_without_bias,
                            check_plain_output_layer, keep_training_layout)
 from common.summary import report
 
-try:  # 8-bit AdamW, QLoRA: from bitsandbytes (requirements.txt pins it)
+try:  # 8-bit AdamW, QLoRA, GaLore's 8-bit form: from bitsandbytes (requirements.txt pins it)
+    from bitsandbytes import functional as bnb
     from bitsandbytes.nn import Linear4bit, Params4bit
     from bitsandbytes.optim import AdamW8bit
     NO_BITSANDBYTES = None
-except ImportError as error:  # said when --optimizer adamw-8bit or --qlora needs it (REFUSALS)
+except ImportError as error:  # said when --optimizer adamw-8bit|galore-8bit or --qlora needs it
     NO_BITSANDBYTES = f"bitsandbytes ({error}). Install it with pip install bitsandbytes==0.50.2 " \
                       "(as requirements.txt pins)"
 
@@ -144,7 +145,8 @@ class Optimizer:
         self.settings = settings
         self.trained = [param for param in model.parameters() if param.requires_grad]  # LoRA
         self.weights = settings.stepped_weights(self.trained)  # the trained ones, or stand-ins
-        make = partial(settings.make_optimizer, lr=settings.lr,  # Adam on the host: fused on a GPU's
+        make = partial(settings.make_optimizer, lr=settings.lr, model=model,  # GaLore: its blocks'
+                       # Adam on the host: fused on a GPU's
                        fused=settings.optimizer_on_host and device.type == "cuda" or None)
         if settings.optimizer_in_backward:  # 04a: one per weight, stepped as its gradient is made
             self.stepped = [make([weight]) for weight in self.weights]
@@ -246,12 +248,23 @@ SWITCHES = (
         "Adam's step rounded into bfloat16 at random (04b)")), {True: "04b"}),
     Switch("--accum-steps", dict(type=positive_int, default=1, help=(
         "micro-batches per optimizer step (default: 1; 04)")), {ANY: "04"}, tried=("2",)),
-    Switch("--optimizer", dict(choices=["adam", "adamw-8bit", "adamw-4bit", "adafactor", "sgd"],
-                               default="adam", help=(
+    Switch("--optimizer", dict(choices=["adam", "adamw-8bit", "adamw-4bit", "adafactor", "sgd", "galore",
+                                        "galore-8bit"], default="adam", help=(
         "adam (default), adamw-8bit (05a), adamw-4bit (05j), adafactor (05b), sgd: plain SGD "
-        "with cosine decay (05)")),
-        {"adamw-8bit": "05a", "adamw-4bit": "05j", "adafactor": "05b", "sgd": "05"},
-        {"adamw-8bit": INEXACT, "adamw-4bit": INEXACT}),
+        "with cosine decay (05), galore: Adam on a low-rank projection of each block's 2-D "
+        "gradients (04c), galore-8bit: its moments in 8 bits (04c --galore-8bit)")),
+        {"adamw-8bit": "05a", "adamw-4bit": "05j", "adafactor": "05b", "sgd": "05", "galore": "04c",
+         "galore-8bit": "04c"},
+        {"adamw-8bit": INEXACT, "adamw-4bit": INEXACT, "galore": INEXACT, "galore-8bit": INEXACT}),
+    Switch("--galore-rank", dict(type=positive_int, help=(
+        "with --optimizer galore: singular vectors kept (default: a quarter of each weight's "
+        "narrower side)")), {ANY: "04c"}),
+    Switch("--galore-gap", dict(type=positive_int, default=200, help=(
+        "with --optimizer galore: optimizer steps from one projection to the next (default: 200)")),
+        {ANY: "04c"}),
+    Switch("--galore-scale", dict(type=positive_float, default=0.25, help=(
+        "with --optimizer galore: the factor on the step projected back (default: 0.25)")),
+        {ANY: "04c"}),
     Switch("--optimizer-on-host", dict(action="store_true", help=(
         "the optimizer's state and step in host memory (05f)")), {True: "05f"}, {True: OVER_PCIE}),
     Switch("--gradients-to-host", dict(action="store_true", help=(
@@ -350,6 +363,9 @@ CHECK_ESTIMATE = When("--check-estimate", lambda settings: settings.check_estima
 NO_COMPILER = When("no compiler torch.compile can use here", lambda settings: not settings.estimate
                    and compiler_problem(settings.device) is not None,
                    "no compiler torch.compile can use here")
+GALORE = ("galore", "galore-8bit")  # GaLore: --optimizer's values that project
+NOT_GALORE = When("without --optimizer galore|galore-8bit",
+                  lambda settings: settings.optimizer not in GALORE, "without --optimizer galore|galore-8bit")
 NO_BITSANDBYTES_HERE = When("without bitsandbytes", lambda settings: NO_BITSANDBYTES is not None,
                             "without bitsandbytes")
 STRAY_WORLD_SIZE = When(
@@ -384,11 +400,24 @@ REFUSALS = (
      "the loss scaler checks every gradient for inf before one step; use --precision bf16 or fp32"),
     (given("--stochastic-rounding"), given("--precision", "fp32", "mixed"),
      "it rounds the step into bfloat16 weights; use --precision bf16"),
-    (given("--stochastic-rounding"), given("--optimizer", "adamw-8bit", "adamw-4bit", "adafactor", "sgd"),
+    (given("--stochastic-rounding"), given("--optimizer", "adamw-8bit", "adamw-4bit", "adafactor", "sgd",
+                                           *GALORE),
      "it is Adam's update, rounded at random; use --optimizer adam"),
     (given("--optimizer", "adafactor"), SHARDED,
      "its second moment is factored into the sums of each weight's rows and columns, and a "
      "process holds some rows only; use --optimizer adam, sgd, adamw-8bit or adamw-4bit"),
+    (given("--optimizer", *GALORE), SHARDED,
+     "each process holds a slice of each weight's rows, and a projection is made from the "
+     "singular vectors of the whole gradient; use --optimizer adamw-8bit or adamw-4bit"),
+    (given("--optimizer", *GALORE), given("--lora-rank"),
+     "GaLore trains every weight in a low-rank projection of its gradient, LoRA low-rank "
+     "adapters on frozen weights; use one of them"),
+    (given("--optimizer", *GALORE), given("--optimizer-on-host"),
+     "GaLore keeps its moments small on the GPU, and on the host each projection's SVD would run "
+     "on the CPU; use --optimizer adamw-8bit or adamw-4bit with --optimizer-on-host"),
+    (given("--galore-rank"), NOT_GALORE, "it shapes GaLore's projections; add --optimizer galore"),
+    (given("--galore-gap"), NOT_GALORE, "it times GaLore's projections; add --optimizer galore"),
+    (given("--galore-scale"), NOT_GALORE, "it scales GaLore's steps; add --optimizer galore"),
     (given("--optimizer", "adamw-8bit"), given("--optimizer-in-backward") & UNDER_TORCHRUN,
      "FSDP calls each weight's step on its reduce-scatter stream, and bitsandbytes launches its "
      "kernels on the default stream, so a step could read a gradient shard before the "
@@ -429,7 +458,7 @@ REFUSALS = (
     (given("--lora-rank"), SHARDED,
      "the sharded model is filled from the preset's model parameter by parameter, and the "
      "adapters are not in it"),
-    (given("--optimizer", "adamw-8bit"), NO_BITSANDBYTES_HERE, where_to_get_bitsandbytes),
+    (given("--optimizer", "adamw-8bit", "galore-8bit"), NO_BITSANDBYTES_HERE, where_to_get_bitsandbytes),
     (given("--qlora"), NO_BITSANDBYTES_HERE, where_to_get_bitsandbytes),
     (STRAY_WORLD_SIZE, unset_or_launch),
     (CHECK_ESTIMATE, BUDGET,
@@ -485,7 +514,8 @@ def resolved(args):
     return Settings(**{**vars(settings), **dict(
         dtype=PRECISIONS[args.precision], compile=args.compile or bool(budget),
         memory_budget=float(budget or 1.0), lora_alpha=args.lora_alpha or 16.0,  # LoRA's default
-        reshard_after_forward=reshard, make_optimizer=chosen.make, schedule=chosen.schedule,
+        reshard_after_forward=reshard, make_optimizer=partial(chosen.make, **chosen.flags(args)),
+        schedule=chosen.schedule,
         gradients_kept=GradientsToHost if args.gradients_to_host else GradientsOnTheDevice,
         lr=args.lr or chosen.rate(preset_for(args), args), stepped_weights=stepped_weights,
         loss_of=loss, evaluation_loss=None if args.loss == "model" else loss)})  # evaluation: a model's own
@@ -501,24 +531,40 @@ def adam_rate(preset, args):  # 03's rate; 07a's and 07b's with adapters
 
 @dataclass(frozen=True)
 class Choice:
-    """An --optimizer: how it is made over some weights at a rate, its default rate (its
-    script's: adam_rate unless named), and the rate's schedule, where it has one."""
-    make: object  # (weights, lr, fused) -> the optimizer
+    """An --optimizer: how it is made over some weights of the model at a rate, its default rate
+    (its script's: adam_rate unless named), the rate's schedule, where it has one, and its own
+    flags' values for `make` (GaLore's)."""
+    make: object  # (weights, lr, fused, model, **flags) -> the optimizer
     rate: object = adam_rate  # (preset, args) -> the rate
     schedule: object = None  # (optimizer, steps) -> its schedule
+    flags: object = lambda args: {}  # (args) -> {name: value} for make
+
+
+def galore_adam(weights, lr, fused, model, rank, gap, scale, eight_bit):  # GaLore
+    """04c's GaLoreAdam over `weights`, each in a group of its own with its rank (none: Adam)."""
+    ranks = galore_ranks(model, rank)
+    return GaLoreAdam([dict(params=[weight], rank=ranks.get(weight)) for weight in weights], lr=lr,
+                      gap=gap, scale=scale, eight_bit=eight_bit)
+
+
+def galore_flags(args):  # GaLore: 04c's flags, --galore-8bit as --optimizer galore-8bit
+    return dict(rank=args.galore_rank, gap=args.galore_gap, scale=args.galore_scale,
+                eight_bit=args.optimizer == "galore-8bit")
 
 
 OPTIMIZERS = {  # --optimizer, and --stochastic-rounding's Adam: each its script's optimizer
-    "adam": Choice(lambda weights, lr, fused: torch.optim.Adam(weights, lr=lr, fused=fused)),  # 03
-    "stochastic rounding": Choice(lambda weights, lr, fused: AdamStochasticRounding(weights, lr=lr)),
-    "adamw-8bit": Choice(lambda weights, lr, fused: AdamW8bit(weights, lr=lr, weight_decay=0.0)),
-    "adamw-4bit": Choice(lambda weights, lr, fused: AdamW4bit(weights, lr=lr)),  # 05j
-    "adafactor": Choice(lambda weights, lr, fused: torch.optim.Adafactor(weights, lr=lr),
+    "adam": Choice(lambda weights, lr, fused, model: torch.optim.Adam(weights, lr=lr, fused=fused)),  # 03
+    "stochastic rounding": Choice(lambda weights, lr, fused, model: AdamStochasticRounding(weights, lr=lr)),
+    "adamw-8bit": Choice(lambda weights, lr, fused, model: AdamW8bit(weights, lr=lr, weight_decay=0.0)),
+    "adamw-4bit": Choice(lambda weights, lr, fused, model: AdamW4bit(weights, lr=lr)),  # 05j
+    "adafactor": Choice(lambda weights, lr, fused, model: torch.optim.Adafactor(weights, lr=lr),
                         lambda preset, args: 0.01),  # Adafactor: a rate relative to each weight's size
-    "sgd": Choice(lambda weights, lr, fused: torch.optim.SGD(weights, lr=lr),  # 05: plain SGD
+    "sgd": Choice(lambda weights, lr, fused, model: torch.optim.SGD(weights, lr=lr),  # 05: plain SGD
                   lambda preset, args: preset.sgd_lr,
                   lambda optimizer, steps: torch.optim.lr_scheduler.CosineAnnealingLR(optimizer,
                                                                                       T_max=steps)),
+    "galore": Choice(galore_adam, flags=galore_flags),  # 04c
+    "galore-8bit": Choice(galore_adam, flags=galore_flags),  # 04c --galore-8bit
 }
 # sharded switches: the optimizers with no rule for a sharded weight (a DTensor), which each
 # process steps over its plain shards
@@ -595,6 +641,90 @@ class AdamStochasticRounding(torch.optim.Optimizer):  # stochastic rounding
                     updated = weight.float().addcdiv_(mean, denominator, value=-lr / bias1)
                     weight.copy_(stochastic_round(updated))
 
+
+# ---- 04c_galore.py: GaLore ---------------------------------------------------------------------
+
+def galore_ranks(model, rank):  # GaLore: the weights it projects, each with its rank
+    """{weight: rank} for each 2-D weight of the model's blocks: `rank`, or a quarter of its narrower
+    side (the authors' rank for their 60M, 350M and 7B models: 128 of 512 ... 1,024 of 4,096)."""
+    ranks = {weight: rank or max(1, min(weight.shape) // 4) for block in transformer_blocks(model)
+             for weight in block.parameters() if weight.ndim == 2}
+    narrowest = min((weight for weight in ranks), key=lambda weight: min(weight.shape), default=None)
+    if rank and narrowest is not None and rank > min(narrowest.shape):
+        raise SystemExit(f"error: --galore-rank {rank} is above the narrower side of a "
+                         f"{' x '.join(map(str, narrowest.shape))} weight of the blocks, which has no "
+                         f"more singular vectors: use at most {min(narrowest.shape)}, or leave it out")
+    if not ranks:
+        raise SystemExit("error: the model's blocks have no 2-D weight for GaLore to project (a "
+                         "convolutional network's are 4-D): train it with 04a_optimizer_in_backward.py")
+    return ranks
+
+
+def projection(gradient, rank, left):  # GaLore: the gradient's top singular vectors, in its dtype
+    u, _, vh = torch.linalg.svd(gradient.float(), full_matrices=False)  # float32, as the authors'
+    return (u[:, :rank] if left else vh[:rank]).to(gradient.dtype, copy=True)  # those r alone
+
+
+class GaLoreAdam(torch.optim.Optimizer):  # GaLore
+    """The authors' GaLoreAdamW, weight decay 0: a weight whose group has a rank is stepped in its
+    projection, made every `gap` steps, the step projected back times `scale`; any other as Adam.
+    `eight_bit`: moments of 4,096 numbers or more in 8 bits (their GaLoreAdamW8bit). The states
+    are made here, so that the first step, which makes the projections, holds what later ones do."""
+
+    def __init__(self, params, lr, gap=200, scale=0.25, eight_bit=False, betas=(0.9, 0.999), eps=1e-6):
+        super().__init__(params, dict(lr=lr, rank=None, gap=gap, scale=scale, eight_bit=eight_bit,
+                                      betas=betas, eps=eps))
+        for group in self.param_groups:
+            for weight in group["params"]:
+                self.state[weight] = self.zeros(weight, group["rank"], group["eight_bit"])
+
+    @staticmethod
+    def zeros(weight, rank, eight_bit):  # the states as Adam's first step would make them
+        state, shape = dict(step=0), weight.shape  # the moments': the weight's, or R's
+        if rank:
+            rows, columns = weight.shape
+            state["left"] = rows < columns  # the narrower side projected, as galore-torch does
+            shape = (rank, columns) if state["left"] else (rows, rank)
+            state["projector"] = weight.new_zeros((rows, rank) if state["left"] else (rank, columns))
+        if not (eight_bit and math.prod(shape) >= 4096):  # in the weights' dtype
+            return dict(state, exp_avg=weight.new_zeros(shape), exp_avg_sq=weight.new_zeros(shape))
+        for moment, signed in ((1, True), (2, False)):  # 8-bit codes, a float32 scale per 256 (05a's)
+            state[f"state{moment}"] = torch.zeros(shape, dtype=torch.uint8, device=weight.device)
+            state[f"absmax{moment}"] = torch.zeros(-(-math.prod(shape) // 256), device=weight.device)
+            state[f"qmap{moment}"] = bnb.create_dynamic_map(signed=signed).to(weight.device)
+        return state
+
+    @torch.no_grad()
+    def step(self):
+        for group in self.param_groups:
+            for weight in group["params"]:
+                if weight.grad is not None:
+                    self.step_weight(weight, weight.grad, self.state[weight], group)
+
+    def step_weight(self, weight, gradient, state, group):
+        (beta1, beta2), lr, rank = group["betas"], group["lr"], group["rank"]
+        stepped = weight  # what Adam's step is added to: the weight, or (projected) a zero R
+        if rank:
+            if state["step"] % group["gap"] == 0:  # a new subspace; the moments are kept
+                state["projector"] = projection(gradient, rank, state["left"])
+            projector = state["projector"]
+            gradient = projector.T @ gradient if state["left"] else gradient @ projector.T  # R
+            stepped = torch.zeros_like(gradient)
+        state["step"] += 1
+        if "state1" in state:  # 8 bits: bitsandbytes' Adam decodes, updates and encodes them
+            bnb.optimizer_update_8bit_blockwise(
+                "adam", gradient, stepped, state["state1"], state["state2"], beta1, beta2, 0.0, 0.0,
+                group["eps"], state["step"], lr, state["qmap1"], state["qmap2"], state["absmax1"],
+                state["absmax2"])
+        else:  # the authors' Adam: eps added to the second moment's root before its correction
+            state["exp_avg"].mul_(beta1).add_(gradient, alpha=1 - beta1)
+            state["exp_avg_sq"].mul_(beta2).addcmul_(gradient, gradient, value=1 - beta2)
+            step_size = lr * math.sqrt(1 - beta2 ** state["step"]) / (1 - beta1 ** state["step"])
+            stepped.addcdiv_(state["exp_avg"], state["exp_avg_sq"].sqrt().add_(group["eps"]),
+                             value=-step_size)
+        if rank:  # back to the weight's shape, scaled, added by one product (no temporary its size)
+            weight.addmm_(*((projector, stepped) if state["left"] else (stepped, projector)),
+                          alpha=group["scale"])
 
 
 # ---- 05c_activation_checkpointing.py: checkpointing on one device ------------------------------

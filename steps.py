@@ -67,6 +67,7 @@ STEPS = {step.id: step for step in [
     Step("04", "gradient accumulation", "03", accum_steps=4, switches=ACCUM),
     Step("04a", "optimizer in backward", "03", switches=("--optimizer-in-backward",)),
     Step("04b", "stochastic rounding", "03", switches=("--stochastic-rounding",)),
+    Step("04c", "GaLore", "04a", switches=("--optimizer", "galore", "--optimizer-in-backward")),
     Step("05", "plain SGD", "04", accum_steps=4, switches=(*ACCUM, "--optimizer", "sgd")),
     Step("05a", "8-bit AdamW", "04", accum_steps=4, synchronizes=True,
          switches=(*ACCUM, "--optimizer", "adamw-8bit")),

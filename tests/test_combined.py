@@ -259,11 +259,14 @@ def switch_cases():
     name: each value but the default, a flag alone, a number at its `tried` value; what a switch
     needs to mean anything (refused "without" it) added, as --gradients-to-host needs
     --optimizer-on-host. --world-size (the estimate's), --lora-alpha and --lora-targets (which
-    shape the adapters --lora-rank makes) and budget:F (compiled: a few runs only) aside."""
+    shape the adapters --lora-rank makes), --galore-rank, --galore-gap and --galore-scale (which
+    shape --optimizer galore's projections: tests/test_galore.py) and budget:F (compiled: a few
+    runs only) aside."""
     module = combined()
     groups = []
     for switch in module.SWITCHES:
-        if switch.flag in ("--world-size", "--lora-alpha", "--lora-targets"):
+        if switch.flag in ("--world-size", "--lora-alpha", "--lora-targets", "--galore-rank",
+                           "--galore-gap", "--galore-scale"):
             continue
         name = switch.flag[2:]
         options = switch.options
@@ -374,6 +377,10 @@ class Took:
         return counted
 
 
+def optimizer_list(optimizer):
+    return optimizer if isinstance(optimizer, list) else [optimizer]
+
+
 def weights_of(optimizer):
     return [weight for group in optimizer.param_groups for weight in group["params"]]
 
@@ -397,6 +404,10 @@ def took_effect(name, module, took, record):
         "adamw-8bit": lambda: type(first).__name__ == "AdamW8bit",
         "adamw-4bit": lambda: isinstance(first, module.AdamW4bit),
         "adafactor": lambda: isinstance(first, torch.optim.Adafactor),
+        "galore": lambda: isinstance(first, module.GaLoreAdam) and not first.defaults["eight_bit"]
+        and any(group["rank"] for each in optimizer_list(optimizer) for group in each.param_groups),
+        "galore-8bit": lambda: isinstance(first, module.GaLoreAdam) and any(
+            "state1" in state for each in optimizer_list(optimizer) for state in each.state.values()),
         "sgd": lambda: isinstance(first, torch.optim.SGD),
         "optimizer-on-host": lambda: took.calls.get("step_on_host", 0) >= 2 and not any(
             param is weight for param in first.param_groups[0]["params"] for weight in weights),

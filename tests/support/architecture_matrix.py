@@ -52,7 +52,7 @@ ARCHITECTURES = {
 # branches that change only the optimizer (what it keeps, where, how it rounds), which no
 # architecture sees: run on an encoder, a grouped-query decoder and the vision model, to keep the
 # suite within its time; every other script runs on every architecture
-OPTIMIZER_ONLY = {"04a", "04b", "05a", "05b", "05f", "05j"}
+OPTIMIZER_ONLY = {"04a", "04b", "04c", "05a", "05b", "05f", "05j"}
 REPRESENTATIVES = {"BERT", "Llama", "ViT"}
 
 
