@@ -4,13 +4,14 @@ largest micro-batch it fits (fit.py's search on 10_combined.py) and the command 
 
 The chain and the reason for its order live here, as data: CHAIN, its GROUPS, and COST, the
 rates the cost model assumes. Exact techniques come first, by the time they add to a step
-(counted recomputation FLOPs at COST's GPU rate); then 8-bit and 4-bit AdamW, which change the
-optimizer's arithmetic; then Adam stepped in backward, which takes no time but gives up accumulation (the
-micro-batch becomes the batch); then what moves bytes over PCIe each step (activations, the
-optimizer's state and step), then the weights too. Within a group the links are ordered by the
-seconds the cost model gives them for the model asked about (activation offloading's bytes
-grow with the tokens, the host optimizer's with the parameters), and the printed chain says
-where that differs from CHAIN. A link that 10_combined.py refuses beside an earlier one
+(counted recomputation FLOPs at COST's GPU rate); then 8-bit and 4-bit AdamW and 8-bit GaLore,
+which change the optimizer's arithmetic; then Adam stepped in backward, which takes no time but
+gives up accumulation (the micro-batch becomes the batch); then what moves bytes over PCIe each
+step (activations, the optimizer's state and step), then the weights too. Within a group the
+links are ordered by the seconds the cost model gives them for the model asked about
+(activation offloading's bytes grow with the tokens, the host optimizer's with the parameters,
+GaLore's SVD with both and the hidden size), and the printed chain says where that differs
+from CHAIN. A link that 10_combined.py refuses beside an earlier one
 replaces it, and the printed chain says so. Adapters train something else: they are answered
 apart, with the activation switches of the answer.
 
@@ -50,6 +51,10 @@ COST = {"gpu_flops": 150e12,  # bfloat16 matrix products actually reached (an A1
         # of the whole, a second): an A100 SXM's NVLink, 300 GB/s each way, at about two thirds, as
         # collectives of a block's weights reach it; python -m estimate --interconnect RATE
         "interconnect_bytes_per_s": 200e9,
+        # 8-bit GaLore: a float32 SVD of each block matrix every --galore-gap steps (its default),
+        # far from the products' rate (cuSOLVER's Jacobi gesvdj): an assumption, not measured
+        # (benchmarks/galore_svd.py measures it on a GPU)
+        "svd_flops": 1e12, "galore_gap": 200,
         }
 # Of --gpu-memory, kept free by a sharded fit (N GPUs): the estimate sees one process of N and
 # leaves out what NCCL holds outside the tensors it is given (its own buffers; gloo's copy on the
@@ -91,6 +96,13 @@ CHAIN = (
     Link("4-bit AdamW", (("--optimizer", "adamw-4bit"),),
          "its plain-PyTorch step reads and writes ~324 bytes a parameter on the GPU; the state "
          "quantized to 4 bits", group=1),
+    Link("8-bit GaLore", (("--optimizer", "galore-8bit"),),
+         "inexact beyond 8-bit states: Adam's step on a rank-r projection of each block matrix's "
+         "gradient (r a quarter of its narrower side: moments of 0.5 bytes a parameter there; the "
+         "embeddings' and output layer's whole); each 200 steps an SVD of every block matrix (Golub "
+         "and Van Loan's thin SVD: at most 26 x hidden FLOPs a parameter, at an assumed 1 TFLOP/s "
+         "in float32) and each step the two products of its projection (hidden FLOPs a parameter)",
+         group=1),
     Link("optimizer in backward", (("--optimizer-in-backward", True),),
          "no time, but no accumulation: the micro-batch is the batch", group=2),
     Link("activation offloading", (("--checkpointing", "offloaded"),),
@@ -172,6 +184,8 @@ def rates(costs, world=1, micro_batches=1):
             "activations over PCIe": 2 * costs.layers * tokens * costs.hidden * 2 / pcie,
             "4-bit step": parameters / world * COST["adamw_4bit_bytes_per_parameter"]
             / COST["gpu_bytes_per_s"],
+            "GaLore's projections": parameters * costs.hidden * (
+                1 / COST["gpu_flops"] + 26 / COST["galore_gap"] / COST["svd_flops"]),
             "optimizer on the host": 4 * parameters / pcie + host_step,
             "offload": (4 * micro_batches + 2) * parameters / world / pcie + host_step,
             "all-gather": collective, "reduce-scatter": collective}
@@ -182,6 +196,7 @@ def step_seconds(link, parameters, tokens, layers, hidden, vocabulary, micro_bat
     terms = rates(Costs(parameters, tokens, layers, hidden, vocabulary), 1, micro_batches)
     return {"bf16": 0.0, "8-bit AdamW": 0.0, "optimizer in backward": 0.0, "fused loss": 0.0,
             "4-bit AdamW": terms["4-bit step"],
+            "8-bit GaLore": terms["GaLore's projections"],
             "selective checkpointing": terms["elementwise"],
             "full checkpointing": terms["forward"],
             "activation offloading": terms["activations over PCIe"],
@@ -210,6 +225,8 @@ def step_time(costs, switches, world=1, micro_batches=1):
         parts["optimizer on the host"] = terms["optimizer on the host"]
     elif chosen.get("--optimizer") == "adamw-4bit":
         parts["4-bit step"] = terms["4-bit step"]
+    elif chosen.get("--optimizer") == "galore-8bit":
+        parts["GaLore's projections"] = terms["GaLore's projections"]
     if world > 1:
         gathers = 1 if str(chosen.get("--reshard-after-forward")).lower() == "false" else 2
         parts["interconnect"] = gathers * terms["all-gather"] + terms["reduce-scatter"]
@@ -299,7 +316,10 @@ class Answer:
 WEIGHT_BYTES = 2  # a parameter's bytes: the chain trains 10_combined.py's bfloat16 weights
 STATE_BYTES = {"adam": 2 * WEIGHT_BYTES,  # Adam's two moments, in the weights' dtype
                "adamw-8bit": 2,           # two moments of one byte (more in tensors too small to quantize)
-               "adamw-4bit": 1 + 8 / 128}  # two of half a byte, a float32 scale per 128 weights each
+               "adamw-4bit": 1 + 8 / 128,  # two of half a byte, a float32 scale per 128 weights each
+               # two of a byte for a quarter of a block matrix's narrower side: a floor (the
+               # embeddings' and output layer's moments stay whole, 2 bytes a parameter)
+               "galore-8bit": 0.5}
 
 
 def resident_bytes(switches, parameters, world_size=1):

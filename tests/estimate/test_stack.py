@@ -77,7 +77,9 @@ def test_the_cost_model_orders_the_links_within_their_group_and_says_so():
         if earlier.group == later.group:
             assert MANY_TOKENS[earlier.name] <= MANY_TOKENS[later.name]
     text = stack.chain_text("causal-lm", 1.24e8, 8 * 8192, (12, 768, 50257), 1)
-    assert f"orders {HOST_FIRST[0]}, {HOST_FIRST[1]} and {HOST_FIRST[2]} otherwise" in text
+    # (GPT-2's 768 wide matrices: GaLore's SVDs cost less than 4-bit AdamW's step, first too)
+    assert (f"orders 8-bit GaLore, 4-bit AdamW, {HOST_FIRST[0]}, {HOST_FIRST[1]} and {HOST_FIRST[2]} "
+            "otherwise") in text
     assert "otherwise" not in stack.chain_text("causal-lm", 8.03e9, 8 * 2048, (32, 4096, 128256), 1)
 
 
@@ -228,8 +230,28 @@ def test_4bit_adamw_takes_8bits_place_on_the_gpu_and_gives_it_back_on_the_host()
     assert four_bit["--optimizer"] == "adamw-4bit" and notes == ["replaces --optimizer adamw-8bit"]
     assert stack.resident_bytes(four_bit.items(), 10**9) < stack.resident_bytes(
         links["8-bit AdamW"][0].items(), 10**9)
-    on_host, notes = links["optimizer on the host"]
-    assert on_host["--optimizer"] == "adamw-8bit" and "replaces --optimizer adamw-4bit" in notes[0]
+    on_host, notes = links["optimizer on the host"]  # (after 8-bit GaLore, which replaced 4-bit)
+    assert on_host["--optimizer"] == "adamw-8bit" and "replaces --optimizer galore-8bit" in notes[0]
+
+
+def test_8bit_galore_holds_less_than_4bit_adamw_and_pays_for_its_svds():
+    """Its floor is below 4-bit AdamW's (the moments of a quarter of each block matrix's rank, in a
+    byte each); its seconds are the two products of each projection every step and an SVD of
+    every block matrix each --galore-gap steps, which for Llama-3.1-8B cost more than 4-bit
+    AdamW's step, so it comes after it, and replaces it."""
+    links = {link.name: (dict(switches), notes) for link, switches, notes in stack.prefixes("causal-lm")
+             if switches is not None}
+    galore, notes = links["8-bit GaLore"]
+    assert galore["--optimizer"] == "galore-8bit" and notes == ["replaces --optimizer adamw-4bit"]
+    assert stack.resident_bytes(galore.items(), 10**9) < stack.resident_bytes(
+        links["4-bit AdamW"][0].items(), 10**9)
+    parameters, hidden = 8.03e9, 4096
+    seconds = stack.chain_seconds(parameters, 8 * 2048, (32, hidden, 128256))
+    assert seconds["8-bit GaLore"] == pytest.approx(parameters * hidden * (
+        1 / stack.COST["gpu_flops"] + 26 / stack.COST["galore_gap"] / stack.COST["svd_flops"]))
+    assert seconds["8-bit GaLore"] > seconds["4-bit AdamW"]
+    costs = stack.Costs(parameters, 8 * 2048, 32, hidden, 128256)
+    assert stack.step_time(costs, galore.items())["GaLore's projections"] == seconds["8-bit GaLore"]
 
 
 def test_the_4bit_links_bytes_a_parameter_are_those_05js_step_moves():
@@ -286,6 +308,9 @@ def test_each_link_sets_switches_of_10_that_a_script_trains_with(combined):
     from steps import STEPS
     from support.tags import switch_pairs
     trained = {pair for step in STEPS.values() for pair in switch_pairs(step.switches)}
+    # and what a script trains under a flag of its own, which 10's table gives it (04c's
+    # --galore-8bit: tests/test_galore.py checks 10's galore-8bit against it, to the byte)
+    trained.add(("--optimizer", "galore-8bit"))
     declared = argparse.ArgumentParser()
     combined.own_flags(declared)
     for link in stack.CHAIN:
