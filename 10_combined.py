@@ -647,17 +647,17 @@ class AdamStochasticRounding(torch.optim.Optimizer):  # stochastic rounding
 def galore_ranks(model, rank):  # GaLore: the weights it projects, each with its rank
     """{weight: rank} for each 2-D weight of the model's blocks: `rank`, or a quarter of its narrower
     side (the authors' rank for their 60M, 350M and 7B models: 128 of 512 ... 1,024 of 4,096)."""
-    ranks = {weight: rank or max(1, min(weight.shape) // 4) for block in transformer_blocks(model)
-             for weight in block.parameters() if weight.ndim == 2}
-    narrowest = min((weight for weight in ranks), key=lambda weight: min(weight.shape), default=None)
-    if rank and narrowest is not None and rank > min(narrowest.shape):
-        raise SystemExit(f"error: --galore-rank {rank} is above the narrower side of a "
-                         f"{' x '.join(map(str, narrowest.shape))} weight of the blocks, which has no "
-                         f"more singular vectors: use at most {min(narrowest.shape)}, or leave it out")
-    if not ranks:
+    weights = [weight for block in transformer_blocks(model) for weight in block.parameters()
+               if weight.ndim == 2]
+    if not weights:
         raise SystemExit("error: the model's blocks have no 2-D weight for GaLore to project (a "
                          "convolutional network's are 4-D): train it with 04a_optimizer_in_backward.py")
-    return ranks
+    narrowest = min(min(weight.shape) for weight in weights)
+    if rank and rank > narrowest:
+        raise SystemExit(f"error: --galore-rank {rank} is above {narrowest}, the narrower side of the "
+                         "blocks' narrowest 2-D weight, which has no more singular vectors: use at "
+                         f"most {narrowest}, or leave it out")
+    return {weight: rank or max(1, min(weight.shape) // 4) for weight in weights}
 
 
 def projection(gradient, rank, left):  # GaLore: the gradient's top singular vectors, in its dtype
@@ -712,10 +712,10 @@ class GaLoreAdam(torch.optim.Optimizer):  # GaLore
             stepped = torch.zeros_like(gradient)
         state["step"] += 1
         if "state1" in state:  # 8 bits: bitsandbytes' Adam decodes, updates and encodes them
-            bnb.optimizer_update_8bit_blockwise(
-                "adam", gradient, stepped, state["state1"], state["state2"], beta1, beta2, 0.0, 0.0,
-                group["eps"], state["step"], lr, state["qmap1"], state["qmap2"], state["absmax1"],
-                state["absmax2"])
+            bnb.optimizer_update_8bit_blockwise(  # (its CUDA kernel reads them in memory's order)
+                "adam", gradient.contiguous(), stepped, state["state1"], state["state2"], beta1,
+                beta2, 0.0, 0.0, group["eps"], state["step"], lr, state["qmap1"], state["qmap2"],
+                state["absmax1"], state["absmax2"])
         else:  # the authors' Adam: eps added to the second moment's root before its correction
             state["exp_avg"].mul_(beta1).add_(gradient, alpha=1 - beta1)
             state["exp_avg_sq"].mul_(beta2).addcmul_(gradient, gradient, value=1 - beta2)

@@ -258,8 +258,9 @@ def stopped(main, argv, capsys):
 
 
 @pytest.mark.parametrize("argv, words, status", [
-    (["--galore-rank", "129"], "--galore-rank 129 is above the narrower side of a 128 x 128 weight "
-                               "of the blocks, which has no more singular vectors: use at most 128", 1),
+    (["--galore-rank", "129"], "--galore-rank 129 is above 128, the narrower side of the blocks' "
+                               "narrowest 2-D weight, which has no more singular vectors: use at most "
+                               "128", 1),
     (["--galore-rank", "0"], "argument --galore-rank: must be positive, got 0", 2),
     (["--galore-gap", "0"], "argument --galore-gap: must be positive, got 0", 2),
     (["--galore-scale", "-1"], "argument --galore-scale: must be positive, got -1", 2),
