@@ -30,7 +30,7 @@ sys.path.insert(0, str(ROOT))
 
 from common.model import model_class, model_config, transformer_blocks  # noqa: E402
 from common.presets import PRESETS, is_text  # noqa: E402
-from estimate.fake_tensor_patches import FakeModeReadingZeros  # noqa: E402
+from estimate.fake.patches import FakeModeReadingZeros  # noqa: E402
 from steps import STEPS, import_script  # noqa: E402
 
 

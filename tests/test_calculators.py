@@ -6,7 +6,7 @@ import pytest
 
 from common.cli import parse_args
 from conftest import ROOT, load_script
-from estimate.published import STUDY_RESERVED_GB
+from estimate.records import STUDY_RESERVED_GB
 from steps import STEPS
 
 spec = importlib.util.spec_from_file_location("calculators", ROOT / "benchmarks" / "calculators.py")

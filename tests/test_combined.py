@@ -506,7 +506,7 @@ def test_stacked_switches_train(names, tmp_path, monkeypatch, small_snippets):
 
 # what the estimate is checked on beside the default (which tests/test_causal_lm.py estimates, as
 # for every script): the activation techniques stacked in one process; and QLoRA, whose 4-bit
-# weights the estimate stands in for (estimate/fake_4bit.py) as for 07b
+# weights the estimate stands in for (estimate/fake/four_bit.py) as for 07b
 ESTIMATED = {"fused+offloaded+adamw-8bit+in-backward+on-host": [
                  *TEXT, *CAUSAL_LM, "--loss", "fused", "--checkpointing", "offloaded",
                  "--optimizer", "adamw-8bit", "--optimizer-in-backward", "--optimizer-on-host"],

@@ -41,8 +41,8 @@ from conftest import (
     script_path,
     stop,
 )
-from estimate.fit import micro_row
 from estimate.predict import predict
+from estimate.question import Question
 from estimate.stack import SHARDED_CHAIN, argv_of
 from tour.records import RECORD_FIELDS
 
@@ -452,10 +452,10 @@ MICRO_BATCH = 1  # samples a process, a micro-batch
 def chain_flags(link):
     """10's flags for a link of the stack's sharded chain, as the stack's walk estimates it: two
     micro-batches a step, or, for Adam stepped in backward, none to accumulate (estimate/stack.py,
-    estimate/fit.py's micro_row)."""
+    estimate/question.py's rows)."""
     accumulates = ("--optimizer-in-backward", True) not in link.sets
-    return micro_row(script_path("10"), argv_of(link.sets), WORLD_SIZE, MICRO_BATCH,
-                     accumulates).argv
+    return Question(script_path("10"), argv_of(link.sets), WORLD_SIZE,
+                    accumulates=accumulates).row(MICRO_BATCH).argv
 
 
 # 10's other switches beside sharding (docs/combined.md#beside-sharding), not links of the chain:
@@ -481,8 +481,9 @@ SHARDED_CASES = [
       for step in ("07", "08", "09")),
     *((re.sub(r"\W+", "-", link.name), "10", chain_flags(link)) for link in SHARDED_CHAIN),
     *(("-".join(word.strip("-") for word in switches), "10",
-       micro_row(script_path("10"), list(switches), WORLD_SIZE, MICRO_BATCH,
-                 "--optimizer-in-backward" not in switches).argv) for switches in BESIDE_SHARDING),
+       Question(script_path("10"), list(switches), WORLD_SIZE,
+                accumulates="--optimizer-in-backward" not in switches).row(MICRO_BATCH).argv)
+      for switches in BESIDE_SHARDING),
     *((name, "10", None) for name in EMPTY_SHARDS)]
 SHARDED_LAUNCH_TIMEOUT = 30 * len(SHARDED_CASES)  # seconds; a run takes a few
 

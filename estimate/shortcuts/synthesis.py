@@ -1,11 +1,6 @@
-"""The estimate by blocks, its trace synthesis: the trace of a model of N repeated blocks written
-from the traces of runs with a few of them (estimate/probes.py makes those runs).
-
-A decoder or encoder is an embedding, blocks that repeat with a period (1 for most; ModernBERT
-alternates global and local attention every third layer: its `layer_types` repeat every 3) and
-a head. Two optimizer steps on fake tensors spend most of their time in the blocks, so the
-estimate runs the same script three times on the model cut to a few periods of blocks (a, a+1
-and a+2), and writes the allocation trace of N from them:
+"""The estimate by blocks, its trace: the trace of a model of N repeated blocks written from the
+traces of runs with a few of them (blocks.py makes those runs, the probes of a, a+1 and a+2
+periods):
 
 1. the trace of a+1 periods is the trace of a with, at a few places, one unit more: a block's
    forward, its backward, its parameters' share of each optimizer operation. `insertions`
@@ -21,76 +16,16 @@ and a+2), and writes the allocation trace of N from them:
 3. `synthesise` writes the trace with any number of copies per region from those rules. It is
    checked first on the largest probe, which the rules were not learned from: if that is not
    the probe's own trace, event for event, the estimate runs the whole model instead.
-
-What no probe shows, the check cannot: a setting that changes a block only beyond the fifth
-period (an index list or a threshold, as Qwen3-MoE's `mlp_only_layers` or DeepSeek's
-`first_k_dense_replace`) would be missed, so only the architectures the tests check by blocks
-(ARCHITECTURES_BY_BLOCKS) are estimated so; every other runs whole.
-
-The trace of N is then replayed through the caching allocator as a whole run's is: the same
-bytes, the same segments. What is not written here comes from the probes: the parameter count
-grows by the same number per period (checked on the three).
 """
-import copy
 from collections import defaultdict
 
-from estimate.allocation_trace import ALLOC, FREE, LABEL, RESIZE
+from estimate.replay.trace import ALLOC, FREE, LABEL, RESIZE
 
-# the probes' periods of blocks, tried in turn: the first block is unlike the others, and under
-# FSDP the last too (it gathers no next block's weights ahead), so a sharded model repeats from 3
-PROBES = ((2, 3, 4), (3, 4, 5))
-SHARDED_PROBES = ((3, 4, 5),)
-FEWEST_PERIODS = 12  # a model with fewer periods runs whole: the probes would save little
 MOST_MOVES = 64  # events by which extend moves regions' starts in all, each move a learn (ms)
-# the model types tests/estimate/test_blocks.py checks by blocks against the whole run
-ARCHITECTURES_BY_BLOCKS = {"bert", "roberta", "distilbert", "deberta-v2", "modernbert", "gpt2",
-                           "llama", "mistral", "qwen2", "bloom", "vit"}
 
 
 class NotByBlocks(Exception):
-    """The model or its trace does not repeat as this module needs: run it whole."""
-
-
-def per_layer_lists(config):
-    """The config's settings with one entry per block (transformers' `layer_types`)."""
-    count = config.num_hidden_layers
-    return {name: value for name, value in vars(config).items()
-            if isinstance(value, list) and len(value) == count}
-
-
-def period_of(config):
-    """The fewest blocks after which every per-block setting repeats."""
-    count = config.num_hidden_layers
-    lists = per_layer_lists(config).values()
-    for period in range(1, count + 1):
-        if all(value[index] == value[index % period] for value in lists
-               for index in range(count)):
-            return period
-    return count
-
-
-def cut_for_probe(config, periods_kept):
-    """(periods of the whole model, blocks of the whole model, `config` cut to `periods_kept`
-    periods and what is left over), or NotByBlocks where the model is too short to gain."""
-    if config.model_type not in ARCHITECTURES_BY_BLOCKS:
-        raise NotByBlocks(f"{config.model_type} is not among the architectures checked by blocks")
-    count = getattr(config, "num_hidden_layers", None)
-    if not isinstance(count, int) or count < 1:
-        raise NotByBlocks("the model's config has no num_hidden_layers")
-    period = period_of(config)
-    periods, rest = divmod(count, period)
-    if periods < max(FEWEST_PERIODS, periods_kept + 1):
-        raise NotByBlocks(f"{periods} periods of blocks: too few to gain from probes")
-    return periods, count, cut_to(config, periods_kept * period + rest)
-
-
-def cut_to(config, blocks):
-    """A copy of `config` with its first `blocks` blocks (and their per-block settings)."""
-    cut = copy.deepcopy(config)
-    for name, value in per_layer_lists(config).items():
-        setattr(cut, name, value[:blocks])
-    cut.num_hidden_layers = blocks
-    return cut
+    """The model or its trace does not repeat as the estimate by blocks needs: run it whole."""
 
 
 def signature(event, sizes):

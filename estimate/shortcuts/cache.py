@@ -1,9 +1,12 @@
 """Fake runs kept on disk, so that no run is made twice: the table, the --gpu-memory search and
 the stack (and a script's --estimate) share them, within a question and across questions.
 
-What is kept is the run's trace (kept_run.py), not its record: a record is the trace replayed
-through the caching allocator for one GPU (milliseconds), so another --gpu or --gpu-memory asks
-no new run. A run is kept under two things:
+What is kept is a KeptRun: what a fake run (estimate/fake/run.py, or the probes of blocks.py)
+leaves for the prediction, its allocation trace and the few counts beside it, not its record.
+The run is the slow part (seconds); a record is the trace replayed through the caching allocator
+for one GPU (milliseconds, estimate/predict.py), so another --gpu or --gpu-memory asks no new
+run, and the trace is written for other micro-batch sizes (sizes.py). A run is kept under two
+things:
 
 - a key of what it was asked: the script (name and source), its flags, the processes, the data
   set's size rule, --exact, the model's config files under --model, the environment variables
@@ -27,24 +30,85 @@ import os
 import platform
 import sys
 import zlib
+from dataclasses import dataclass, field, fields
 from functools import lru_cache
 from importlib import metadata
 from pathlib import Path
 
 from common.packaged import cache_root
 from estimate.gpu_choices import reads_match
-from estimate.kept_run import KeptRun
 
 VARIABLE = "ESTIMATE_CACHE"  # 0: every run made afresh, none kept; or their folder
 SIZE_VARIABLE = "ESTIMATE_CACHE_MB"
 DEFAULT_MEGABYTES = 1024
-FORMAT = 2  # what a kept file holds (kept_run.py's fields, this module's layout)
-ROOT = Path(__file__).resolve().parent.parent
+FORMAT = 2  # what a kept file holds (KeptRun's fields, this module's layout)
+ROOT = Path(__file__).resolve().parents[2]  # the repository
 MODEL_FILES = ("*.json",)  # a --model folder's config (and tokenizer) files: not its weights
 # what picks PyTorch's CPU kernels (and so a CPU estimate's temporaries), the allocator's ways,
 # the compiler's choices
 ENVIRONMENT_PREFIXES = ("ATEN_", "MKL_", "TORCH", "PYTORCH_")
 OFF, ON = ("0", "false", "no", "off"), ("", "1", "true", "yes", "on")
+
+
+@dataclass
+class KeptRun:
+    script: str
+    emulate_cuda: bool
+    record: dict                # what the script reported: preset, model, world size, batch, ...
+    events: list                # the training steps' allocation events (replay/trace.py)
+    creation: list              # model creation's events
+    parameter_count: int
+    parameters_held: int
+    offloaded: bool = False     # FSDP keeps the sharded state in host memory
+    compiled: bool = False
+    compiled_eagerly: bool = False
+    fused: bool = True          # compiled: pointwise operations fused (compiled.py)
+    unfused_events: list = None  # compiled: the training events with nothing fused (the bound)
+    batch_bytes: int = 0
+    blocks: list = None         # [blocks of the model, [blocks of each probe]] (blocks.py)
+    cpu_figures: dict = None    # without GPU emulation: the meter's own peak, breakdown, creation
+    gpu_read: dict = field(default_factory=dict)  # what the run read of its GPU (gpu_choices.ReadGpu)
+    size_choices: list = field(default_factory=list)  # choices made by the micro-batch's size
+    phases: list = None         # each training event's part of the step (a whole run's only)
+
+    def to_dict(self):
+        return {item.name: getattr(self, item.name) for item in fields(self)}
+
+    @classmethod
+    def from_dict(cls, values):
+        known = {item.name for item in fields(cls)}
+        kept = cls(**{name: value for name, value in values.items() if name in known})
+        kept.events, kept.creation = as_events(kept.events), as_events(kept.creation)
+        if kept.unfused_events is not None:
+            kept.unfused_events = as_events(kept.unfused_events)
+        return kept
+
+
+def as_events(items):
+    """Events as the trace holds them (tuples), from JSON's lists."""
+    return [tuple(item) for item in items]
+
+
+def from_fake_run(run, unfused_run=None, fused=True):
+    """The KeptRun of a FakeRun (fake/run.py); `unfused_run`: the same compiled run with nothing
+    fused, for the bound above a compiled prediction."""
+    cpu = None
+    if not run.emulate_cuda:
+        cpu = {"peak_bytes": run.meter_result["peak_memory_bytes"],
+               "breakdown_bytes": run.meter_result["breakdown_bytes"],
+               "creation_peak_bytes": run.creation.peak_bytes if run.creation else 0,
+               "unfused_peak_bytes": unfused_run and unfused_run.meter_result["peak_memory_bytes"]}
+    return KeptRun(
+        script=run.script, emulate_cuda=run.emulate_cuda, record=dict(run.record),
+        events=list(run.training_events()), creation=list(run.trace.events[run.creation_events]),
+        parameter_count=run.meter_result["parameter_count"],
+        parameters_held=run.meter_result["parameters_held"], offloaded=run.offloaded,
+        compiled=run.compiled, compiled_eagerly=run.compiled_eagerly, fused=fused,
+        unfused_events=list(unfused_run.training_events()) if unfused_run else None,
+        batch_bytes=run.batch_bytes, blocks=run.blocks and [run.blocks[0], list(run.blocks[1])],
+        cpu_figures=cpu, gpu_read=dict(run.gpu_read.read) if run.gpu_read else {},
+        size_choices=sorted(set(run.size_choices)),
+        phases=run.training_phases() if run.trace.phases else None)
 
 
 def enabled():
@@ -240,7 +304,7 @@ def keep(name, kept):
 
 def sizes_kept(family):
     """The micro-batch sizes whose runs were kept for `family` (the key of a search's row with
-    no size: fit.py), as noted by note_size; [] if none."""
+    no size: estimate/question.py), as noted by note_size; [] if none."""
     try:
         return json.loads((folder() / f"{family}.sizes").read_text())
     except (OSError, ValueError):

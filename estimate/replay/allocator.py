@@ -51,7 +51,7 @@ class CachingAllocatorModel:
     """
 
     def __init__(self, observer=None):
-        self.observer = observer  # told of each segment, allocation and free (estimate/snapshot.py)
+        self.observer = observer  # told of each segment, allocation and free (estimate/replay/snapshot.py)
         self.free_blocks = {True: [], False: []}  # small pool?: sorted [(size, address, block)]
         self.addresses = itertools.count(step=1 << 40)  # segments never touch each other
         self.allocated = self.reserved = 0

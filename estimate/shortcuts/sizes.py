@@ -1,5 +1,5 @@
 """Traces for any micro-batch size, written from runs at a few sizes: the --gpu-memory search
-(fit.py) replays them through the caching allocator instead of running the script at every size
+(search/fit.py) replays them through the caching allocator instead of running the script at every size
 it tries.
 
 Two optimizer steps at micro-batches of m and of m' samples make the same allocations in the same
@@ -11,17 +11,17 @@ writes the trace at any size. What chooses by the size breaks the line, and a si
 runs cannot show where: so the code that makes such a choice declares it while the run makes it
 (`note_choice`), and a family whose runs noted one is not written at all (the search then runs
 every size it tries, as before). Declared today: bitsandbytes' 4-bit matmul, whose kernel
-depends on the rows it multiplies (fake_4bit.py), and the fused loss, whose pieces are
-ceil(tokens / LOSS_CHUNKS) of the micro-batch's tokens (05h, 10's --loss fused: fake_run.py
+depends on the rows it multiplies (fake/four_bit.py), and the fused loss, whose pieces are
+ceil(tokens / LOSS_CHUNKS) of the micro-batch's tokens (05h, 10's --loss fused: fake/run.py
 notes it). A compiled run is not written either: a graph may be compiled again for another shape.
 
 A size beyond the runs (below the smallest, above the largest) is an extrapolation: the search
-confirms its answer there by running it (fit.py).
+confirms its answer there by running it (search/fit.py).
 """
 from dataclasses import replace
 from fractions import Fraction
 
-from estimate.allocation_trace import ALLOC, FREE, RESIZE
+from estimate.replay.trace import ALLOC, FREE, RESIZE
 
 SMALLEST = 2  # the smallest size written: with one sample a tensor's batch dimension has size 1,
 # and a copy that makes such a tensor contiguous may then be a view (the events differ)

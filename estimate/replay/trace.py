@@ -7,7 +7,7 @@ change MemTracker makes to its running totals (`_update_snap`) while it is open,
 holds exactly what MemTracker counts, event by event.
 
 Host memory: where a GPU is emulated, the host side of the run is on the meta device
-(stand_ins.py), and what the run offloads is counted there or by its category (FSDP's offloaded
+(fake/stand_ins.py), and what the run offloads is counted there or by its category (FSDP's offloaded
 state). A GPU's run pins some of it: what it copies out of the GPU (non_blocking copies land in
 pinned memory; 05e and 05i copy into pinned buffers on a GPU), the optimizer's weights on the
 host (05f, 05i, 10's --optimizer-on-host copy them so before training), and FSDP's offloaded
@@ -26,12 +26,12 @@ import torch
 from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType, _UpdateType
 
 from common.memory import fold_breakdown
-from estimate.caching_allocator import CachingAllocatorModel, HostAllocatorModel
 from estimate.gpu_choices import CUBLAS_WORKSPACE_BYTES, CUBLAS_WORKSPACES
+from estimate.replay.allocator import CachingAllocatorModel, HostAllocatorModel
 
 ALLOC, FREE, RESIZE, LABEL = "alloc", "free", "resize", "label"
 WORKSPACE_CATEGORY = "Temp"  # cuBLAS workspaces are counted with the temporaries
-HOST_SIDE = "meta"  # an emulated GPU's host memory: the device stand_ins.py's HOST_DEVICE names
+HOST_SIDE = "meta"  # an emulated GPU's host memory: the device fake/stand_ins.py's HOST_DEVICE names
 OFFLOADED = "host"  # storages made while counted_as_host (offloaded shards)
 PINNED = "pinned"  # host-side storages a GPU's run pins (above)
 PINNED_WHEN_OFFLOADED = frozenset({"Sharded Param"})  # FSDP's pinned shards (above)
@@ -206,7 +206,7 @@ def replay(events, device_type, emulate_cuda, host_categories=frozenset(), works
     MemTracker counts them. `workspaces=False` leaves the cuBLAS workspaces out (model creation
     multiplies no matrices); `workspace_bytes` is one workspace's size on the GPU emulated.
     `observer` (with emulate_cuda) sees the allocator's every step and, after each event, its
-    index and the bytes by category (estimate/snapshot.py draws the step from them).
+    index and the bytes by category (estimate/replay/snapshot.py draws the step from them).
     """
     allocator = CachingAllocatorModel(observer) if emulate_cuda else ExactCounter()
     pinned, pageable = HostAllocatorModel(), 0

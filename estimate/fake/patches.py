@@ -1,7 +1,7 @@
 """Every change the estimate makes inside PyTorch (2.13) while a fake run lasts, in one place.
 
 Each piece works around one place where fake tensors behave unlike real ones, makes a CPU
-answer as CUDA would (gpu_choices.py says why), keeps a script from starting real processes, or
+answer as CUDA would (estimate/gpu_choices.py says why), keeps a script from starting real processes, or
 saves MemTracker bookkeeping the estimate does not need; each says why it is harmless, and each
 context manager puts back what it replaced.
 """

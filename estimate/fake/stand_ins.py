@@ -1,4 +1,4 @@
-"""The stand-ins: what a fake run (fake_run.py) puts in place of each helper a script imports by
+"""The stand-ins: what a fake run (run.py) puts in place of each helper a script imports by
 name (estimate/contract.py lists the names and why), one method of StandIns per name.
 
 The host side of the run (batches, the model of steps 01-05 before `.to(device)`, and what a
@@ -18,11 +18,10 @@ from common.model import classification_head, initialise, model_class, model_con
 from common.presets import is_text
 from common.progress import Progress
 from estimate import gpu_choices
-from estimate.blocks import cut_for_probe
 from estimate.contract import EstimateError
-from estimate.fake_tensor_patches import INIT_PROCESS_GROUP, for_fake_tensors
+from estimate.fake.patches import INIT_PROCESS_GROUP, for_fake_tensors
 
-COMPUTE_DEVICE = torch.device("cpu")  # fake tensors stand for GPU memory here (see gpu_choices.py)
+COMPUTE_DEVICE = torch.device("cpu")  # fake tensors stand for GPU memory here (see estimate/gpu_choices.py)
 HOST_DEVICE = torch.device("meta")  # fake host memory, so that `.to(device)` copies as on a GPU
 
 
@@ -116,7 +115,6 @@ def splits_of(dataset):
             data.SYNTHETIC: data.SYNTHETIC_SPLITS}.get(dataset)
 
 
-
 class StandIns:
     """The stand-ins of one fake run (a FakeRun, which they fill in) of `world_size` processes:
     a method for each name of the contract, called as the script calls the helper."""
@@ -136,7 +134,7 @@ class StandIns:
         splits = splits_of(preset.dataset)  # as common/data.py splits it
         if splits is None:
             raise EstimateError(f"no sample count known for the data set {preset.dataset!r}; "
-                                "add its splits to splits_of in estimate/stand_ins.py")
+                                "add its splits to splits_of in estimate/fake/stand_ins.py")
         samples = splits[0]
         asked = run.asked[0] if run.asked else batch_size  # the batch asked, whatever ran
         if run.any_batch_size:  # the --gpu-memory search: two batches, whatever their size
@@ -153,15 +151,15 @@ class StandIns:
         # outside a device context: the host (steps 01-05 then call .to(device)); inside one,
         # the run's own device (step 06 creates the model on it), or meta (07-09 shard it first)
         # the attention transformers picks by default: sdpa where the architecture has it (on a
-        # GPU, the kernel CUDA takes: gpu_choices.py), else its own code (BLOOM's "eager")
+        # GPU, the kernel CUDA takes: estimate/gpu_choices.py), else its own code (BLOOM's "eager")
         run = self.run
         attention = preset.config.get("attn_implementation") or (  # one its config asks for
             "sdpa" if model_class(preset)._supports_sdpa else "eager")
         if run.emulate_cuda and attention == "sdpa":
             attention = gpu_choices.register_gpu_attention(run.gpu_read)
         config = model_config(preset)
-        if run.probe is not None:  # the model cut to a few periods of its blocks (blocks.py)
-            run.periods, whole, config = cut_for_probe(config, run.probe)
+        if run.cut is not None:  # the model cut to a few periods of its blocks (shortcuts/blocks.py)
+            run.periods, whole, config = run.cut(config)
             run.blocks = (whole, config.num_hidden_layers)
         with torch.device("meta"):  # initialisers read values: build on meta, then swap in fakes
             model = model_class(preset)._from_config(

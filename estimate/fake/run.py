@@ -6,7 +6,7 @@ name, and on that module object only the helpers it imports by name that need da
 other processes or a screen are replaced (estimate/contract.py names them; stand_ins.py holds
 what replaces them). Precision, autocast, loss scaling, accumulation, optimizer, scheduler,
 sharding, offload and checkpointing are the script's own code; what the run changes inside
-PyTorch is in fake_tensor_patches.py.
+PyTorch is in patches.py.
 
 Values a step reads back on the host (`.item()`) that fake tensors do not know read as 0: a
 gradient scaler never finds an overflow, and every step is taken.
@@ -23,10 +23,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from estimate import gpu_choices, sizes
-from estimate.allocation_trace import AllocationTrace
+from estimate import gpu_choices
 from estimate.contract import REQUIRED_WHEN_4BIT, EstimateError, check_contract, required_names
-from estimate.fake_tensor_patches import (
+from estimate.fake.patches import (
     FakeModeReadingZeros,
     compiled_graphs_run_by_operations,
     cuda_optimizer_defaults,
@@ -37,7 +36,9 @@ from estimate.fake_tensor_patches import (
     sharding_propagation_apart,
     swappable_fake_parameters,
 )
-from estimate.stand_ins import StandIns
+from estimate.fake.stand_ins import StandIns
+from estimate.replay.trace import AllocationTrace
+from estimate.shortcuts import sizes
 from steps import import_script
 
 QUICK_RUN = ["--max-steps", "2", "--epochs", "1"]  # a run's peak falls within two optimizer steps
@@ -64,11 +65,12 @@ class FakeRun:
     creation: object = None  # what measure_creation measured, on fake tensors
     creation_events: slice = field(default_factory=lambda: slice(0, 0))  # model creation's events
     asked: tuple = None  # (batch, accumulation steps) asked, where fewer micro-batches ran
-    probe: int = None  # periods of blocks this run cuts the model to (blocks.py), or None: whole
-    periods: int = None  # a probe's: the periods of blocks of the whole model (blocks.py)
+    cut: object = None  # a probe's cut of the model's config to a few periods of its blocks
+    # (shortcuts/blocks.py: config -> (periods, blocks, the config cut)); None: the whole model
+    periods: int = None  # a probe's: the periods of blocks of the whole model
     blocks: tuple = None  # a probe's (blocks of the whole model, its own blocks)
     gpu_read: object = None  # the emulated GPU as the run reads it (gpu_choices.ReadGpu)
-    size_choices: list = field(default_factory=list)  # choices made by the micro-batch's size (sizes.py)
+    size_choices: list = field(default_factory=list)  # chosen by the micro-batch's size (shortcuts/sizes.py)
 
     def training_events(self):
         return self.trace.events[self.creation_events.stop:]
@@ -118,7 +120,7 @@ def without_estimate_flag(argv):
 
 
 def run_on_fake_tensors(script_path, argv, world_size=1, gpu=gpu_choices.DEFAULT_GPU,
-                        any_batch_size=False, every_micro_batch=False, probe=None, fused=True):
+                        any_batch_size=False, every_micro_batch=False, cut=None, fused=True):
     """Run the script's main(argv) for two optimizer steps on fake tensors; returns a FakeRun.
 
     `argv` are the script's own flags; `world_size` is the number of processes a distributed
@@ -126,13 +128,13 @@ def run_on_fake_tensors(script_path, argv, world_size=1, gpu=gpu_choices.DEFAULT
     `any_batch_size`: the data set is as large as two batches of the size asked need (the
     --gpu-memory search asks what fits, beyond what the preset's data set holds);
     `every_micro_batch`: run each of the --accum-steps micro-batches asked, not two (--exact).
-    `probe`: run the model cut to that many periods of its blocks (blocks.py), not whole.
+    `cut`: run the model cut so (a probe of its blocks: shortcuts/blocks.py), not whole.
     `fused`: what torch.compile compiles runs with its pointwise operations fused, or without
     (estimate/compiled.py).
     """
     with collector_frozen():
         return fake_run(script_path, argv, world_size, gpu, any_batch_size, every_micro_batch,
-                        probe, wants_cuda_emulation(argv), fused)
+                        cut, wants_cuda_emulation(argv), fused)
 
 
 @contextmanager
@@ -161,24 +163,24 @@ def collector_frozen():
 inside = False  # within collector_frozen
 
 
-def fake_run(script_path, argv, world_size, gpu, any_batch_size, every_micro_batch, probe,
+def fake_run(script_path, argv, world_size, gpu, any_batch_size, every_micro_batch, cut,
              emulate_cuda, fused):
     """run_on_fake_tensors' run, its garbage collector set."""
     run = FakeRun(script=Path(script_path).stem, emulate_cuda=emulate_cuda, gpu=gpu,
-                  any_batch_size=any_batch_size, probe=probe,
+                  any_batch_size=any_batch_size, cut=cut,
                   gpu_read=gpu_choices.ReadGpu(gpu_choices.GPUS[gpu]))
     module = import_script(script_path, prefix="estimated")
     check_contract(module, Path(script_path).name)
     names = required_names(module)
     replacements = StandIns(run, world_size).by_name(names.keys() - REQUIRED_WHEN_4BIT.keys())
     if REQUIRED_WHEN_4BIT.keys() <= names.keys():  # 07b: its script has imported bitsandbytes
-        from estimate.fake_4bit import stand_ins as four_bit_stand_ins
+        from estimate.fake.four_bit import stand_ins as four_bit_stand_ins
         replacements.update(four_bit_stand_ins(emulate_cuda, run.gpu_read))
     for name in names:
         setattr(module, name, replacements[name])
     if emulate_cuda and not every_micro_batch:  # (on the CPU the batch itself is on the device)
         module.parse_args = fewer_micro_batches(module.parse_args, run, world_size)
-    if hasattr(module, "FusedLinearCrossEntropy"):  # 05h, 10: a choice by the size (sizes.py)
+    if hasattr(module, "FusedLinearCrossEntropy"):  # 05h, 10: a choice by the size (shortcuts/sizes.py)
         module.FusedLinearCrossEntropy = noting_pieces(module.FusedLinearCrossEntropy,
                                                        module.LOSS_CHUNKS)
     sizes.CHOICES.clear()

@@ -1,7 +1,7 @@
 """bitsandbytes' 4-bit weights (07b's Linear4bit and Params4bit) on fake tensors.
 
 Params4bit is a tensor subclass made around a real tensor, so a fake tensor cannot become one.
-The estimate gives a script that imports the two names these stand-ins (fake_run.py puts them
+The estimate gives a script that imports the two names these stand-ins (run.py puts them
 where the script's own names were): the weight is a plain frozen parameter that carries
 Params4bit's attributes, and is quantized when its layer is moved to its device by bitsandbytes'
 own `quantize_4bit`, on fake tensors. So it holds exactly the tensors bitsandbytes stores (the
@@ -29,7 +29,8 @@ import torch
 from bitsandbytes import functional
 from bitsandbytes.nn import Linear4bit as BitsandbytesLinear4bit
 
-from estimate import gpu_choices, sizes
+from estimate import gpu_choices
+from estimate.shortcuts import sizes
 
 CUDA_OPS = Path(bitsandbytes.__file__).parent / "backends" / "cuda" / "ops.py"
 
@@ -173,5 +174,5 @@ def cuda_rule(multiprocessors, capability):
     missing = wanted - set(rule)
     if missing:
         raise RuntimeError(f"{CUDA_OPS} no longer defines {', '.join(sorted(missing))}: the "
-                           "estimate reads bitsandbytes' CUDA rule from it (estimate/fake_4bit.py)")
+                           "estimate reads bitsandbytes' CUDA rule from it (estimate/fake/four_bit.py)")
     return rule

@@ -1,7 +1,7 @@
 """The predicted step as a picture: PyTorch's memory snapshot of the emulated allocator, and a PNG.
 
 `--estimate --memory-snapshot FILE` replays the training steps through the caching allocator
-model (caching_allocator.py) with a `Recorder` watching: every segment it reserves, every block
+model (allocator.py) with a `Recorder` watching: every segment it reserves, every block
 it hands out and takes back. FILE is then what `torch.cuda.memory._dump_snapshot` writes on a
 GPU (its `segments` at the end, its `device_traces` in order), so PyTorch's memory visualizer
 (https://pytorch.org/memory_viz) and `torch.cuda._memory_viz` read it. A block's only frame
