@@ -80,7 +80,8 @@ def test_a_model_the_scripts_cannot_take_gets_a_message(flags, words, models, tm
                    unknown=write_config(tmp_path / "unknown", model_type="no-such-architecture"),
                    flash=write_config(tmp_path / "flash", model_type="bert",
                                       attn_implementation="flash_attention_2"),
-                   no_pad=write_config(tmp_path / "no-pad", model_type="qwen2", **SMALL))
+                   no_pad=write_config(tmp_path / "no-pad", model_type="qwen2", num_key_value_heads=2,
+                                       **SMALL))
     with pytest.raises(SystemExit) as stopped:  # argparse's exit: the message, no traceback
         load_script("03").main([*[flag.format(**folders) for flag in flags], "--device", "cpu"])
     assert stopped.value.code == 2

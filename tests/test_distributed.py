@@ -440,6 +440,8 @@ def test_the_group_waits_long_enough_for_process_0_to_load_the_weights(monkeypat
     asked = {}
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "29500")
     monkeypatch.setattr(dist, "init_process_group", lambda *args, **kwargs: asked.update(kwargs))
     monkeypatch.setattr(dist, "get_rank", lambda: 0)
     monkeypatch.setattr(dist, "get_world_size", lambda: 1)
