@@ -2,6 +2,8 @@
 switch set (steps.py) trains as the script does; every pair of switches trains, or stops with the
 one line its table of refusals gives, naming both."""
 import ast
+import dataclasses
+import gc
 import itertools
 import math
 import os
@@ -17,7 +19,7 @@ import common.memory
 import common.presets
 from common.memory import is_compiled
 from common.model import offloads_to_host, transformer_blocks
-from conftest import QUICK, TEXT, load_script, run_script, script_path, unevaluated
+from conftest import QUICK, TEXT, assert_follows, load_script, run_script, script_path, unevaluated
 from steps import STEPS, import_script
 from support.tags import TAGS, has_tag, switch_pairs
 
@@ -156,6 +158,98 @@ def test_each_switch_of_a_scripts_set_comes_from_that_script_in_the_table():
     named_steps = {step for switch in table.values() for steps in switch.steps.values()
                    for step in (steps if isinstance(steps, tuple) else (steps,))}
     assert disagreements == [] and named_steps <= set(STEPS)
+
+
+# ---- equal to the scripts ------------------------------------------------------------------
+
+def read_once(read):
+    """`read` (a data set reader of common.data), reading each data set once in this module."""
+    kept = {}
+
+    def reader(*args):
+        key = (repr(args), common.data.SNIPPET_SPLITS)
+        if key not in kept:
+            kept[key] = read(*args)
+        return kept[key]
+    return reader
+
+
+def smallest(config):
+    """A preset's model config with one block: every technique here acts on each block (wraps,
+    shards, adapts it) or around the blocks, so one block reaches each, at a fraction of the time."""
+    return {**config, "num_hidden_layers": 1}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def smallest_shapes_one_thread_and_each_data_set_read_once():
+    """The runs here compare two runs of one shape, or ask what runs: tiny and tiny-text with one
+    block, tiny-text's texts cut at 16 tokens (its output layer over 30,522 words is most of a
+    step); a few operators on small tensors each, on one thread (two threads of one process only
+    wait for each other on a busy machine); each data set read once; the objects alive before
+    (modules, earlier tests') left out of the garbage collections each run's creation starts
+    with (common/memory.py: measure_creation), which otherwise take most of a small run."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    presets, decoders = common.presets.PRESETS, common.presets.CAUSAL_LM
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setitem(presets, "tiny", dataclasses.replace(
+            presets["tiny"], config=smallest(presets["tiny"].config)))
+        patch.setitem(presets, "tiny-text", dataclasses.replace(
+            presets["tiny-text"], config=smallest(presets["tiny-text"].config), max_length=16))
+        patch.setitem(decoders, "tiny-text", {
+            **decoders["tiny-text"], "config": smallest(decoders["tiny-text"]["config"])})
+        for name in ("digits_datasets", "movie_snippet_datasets"):
+            patch.setattr(common.data, name, read_once(getattr(common.data, name)))
+        gc.collect()
+        gc.freeze()
+        try:
+            yield
+        finally:
+            gc.unfreeze()
+    torch.set_num_threads(threads)
+
+
+def created_as_06(script):
+    """The script with 06's creation, as the combined script always creates: a decoder created in
+    bfloat16 keeps its rotary frequencies (float32 buffers) in float32, which the script's
+    `create_model(preset).to(device, DTYPE)` converts to bfloat16 (32 bytes, and the fifth digit
+    of the loss, on tiny-text)."""
+    create = script.create_model
+
+    def created(preset):
+        model = create(preset, dtype=script.DTYPE)  # on the CPU, where the test trains
+        model.to = lambda *args, **kwargs: model  # already where, and in what, it trains
+        return model
+    script.create_model = created
+
+
+@pytest.fixture(scope="module")
+def combined_runs():
+    """The combined script's records by command line (05 and 06 have the same switches)."""
+    return {}
+
+
+@pytest.mark.parametrize("name", [step for step in STEPS if not STEPS[step].combined])
+def test_each_scripts_switches_train_as_the_script(name, tmp_path, small_snippets, monkeypatch,
+                                                   combined_runs):
+    step = STEPS[name]
+    flags = [*QUICK, "--batch-size", "8", *(CAUSAL_LM if step.task else [])]  # micro-batches of 2
+    script = unevaluated(name)
+    if step.task:
+        created_as_06(script)
+    expected, _ = run_script(name, flags, tmp_path / "script", script)
+    if step.sharded:  # as under torchrun, in a group of one
+        monkeypatch.setenv("WORLD_SIZE", "1")
+    command = (*flags, *step.switches, "sharded" if step.sharded else "")
+    if command not in combined_runs:
+        combined_runs[command], _ = run_script(COMBINED, [*flags, *step.switches],
+                                               tmp_path / "combined", unevaluated(COMBINED))
+    actual = combined_runs[command]
+    assert actual["peak_memory_bytes"] == expected["peak_memory_bytes"]
+    assert actual["breakdown_bytes"] == expected["breakdown_bytes"]
+    assert actual["world_size"] == expected["world_size"]
+    assert actual["reshard_after_forward"] == expected["reshard_after_forward"]  # null unsharded
+    assert_follows(actual["losses"], expected["losses"], "tiny-text" if step.task else "tiny")
 
 
 # ---- every pair trains or is refused -------------------------------------------------------
