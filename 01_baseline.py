@@ -15,6 +15,7 @@ import torch
 from common.cli import parse_args
 from common.data import load_data, to_device
 from common.evaluate import evaluate
+from common.launch import train_or_estimate
 from common.memory import MemoryMeter, measure_creation
 from common.model import create_model, transformer_blocks
 from common.presets import preset_for
@@ -27,9 +28,10 @@ def train_step(model, optimizer, inputs, labels, device):
     inputs, labels = to_device(inputs, device), labels.to(device, non_blocking=True)
     loss = model(**inputs, labels=labels).loss  # its own loss: over classes, or next tokens
     loss.backward()
+    batch_loss = loss.detach().float()  # the record's loss, in float32 (03's is bfloat16)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return loss.detach()
+    return batch_loss
 
 
 def train(args, device):
@@ -48,7 +50,8 @@ def train(args, device):
             block.compile()  # each block's backward hands back its gradients as it ends
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr or preset.lr)
 
-    meter = MemoryMeter(device, model, optimizer)  # the peak of the first steps, by what it holds
+    # the peak of the first steps, by what it holds (--memory-snapshot: on CUDA, their history)
+    meter = MemoryMeter(device, model, optimizer, snapshot=args.memory_snapshot)
     progress = Progress(total_steps)  # progress lines, the losses and the training clock
     model.train()
     for epoch in range(args.epochs):
@@ -67,13 +70,7 @@ def train(args, device):
 
 def main(argv=None):
     args = parse_args(__doc__, argv)
-    if args.estimate:  # predict instead: this script's main() on fake tensors (estimate/)
-        from estimate import estimate
-        return estimate(__file__, argv)
-    if args.check_estimate:  # and predict it beside the run, on a GPU (estimate/check.py)
-        from estimate.check import check_estimate
-        args.estimate_check = check_estimate(__file__, argv, args.device)
-    return train(args, args.device)
+    return train_or_estimate(train, args, __file__, argv)  # --estimate: predicted instead (estimate/)
 
 
 if __name__ == "__main__":

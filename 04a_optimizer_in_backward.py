@@ -17,6 +17,7 @@ import torch
 from common.cli import parse_args, refused  # optimizer in backward: refused, for a flag
 from common.data import load_data, to_device
 from common.evaluate import evaluate
+from common.launch import train_or_estimate
 from common.memory import MemoryMeter, measure_creation
 from common.model import create_model, transformer_blocks
 from common.presets import preset_for
@@ -31,7 +32,8 @@ def train_step(model, inputs, labels, device):  # optimizer in backward: no opti
     inputs, labels = to_device(inputs, device, DTYPE), labels.to(device, non_blocking=True)  # bf16-true
     loss = model(**inputs, labels=labels).loss  # its own loss: over classes, or next tokens
     loss.backward()  # optimizer in backward: every weight is updated, and its gradient freed, in here
-    return loss.detach()
+    batch_loss = loss.detach().float()  # the record's loss, in float32 (03's is bfloat16)
+    return batch_loss
 
 
 def train(args, device):
@@ -59,7 +61,9 @@ def train(args, device):
     for param in model.parameters():  # optimizer in backward
         param.register_post_accumulate_grad_hook(step_and_free)
 
-    meter = MemoryMeter(device, model, list(optimizers.values()))  # optimizer in backward: them all
+    # the peak of the first steps, by what it holds (--memory-snapshot: on CUDA, their history)
+    meter = MemoryMeter(device, model, list(optimizers.values()),  # optimizer in backward: them all
+                        snapshot=args.memory_snapshot)
     progress = Progress(total_steps)  # progress lines, the losses and the training clock
     model.train()
     for epoch in range(args.epochs):
@@ -84,13 +88,7 @@ def own_flags(parser):  # optimizer in backward: --accum-steps refused, beside c
 
 def main(argv=None):
     args = parse_args(__doc__, argv, flags=own_flags)  # optimizer in backward: no micro-batches
-    if args.estimate:  # predict instead: this script's main() on fake tensors (estimate/)
-        from estimate import estimate
-        return estimate(__file__, argv)
-    if args.check_estimate:  # and predict it beside the run, on a GPU (estimate/check.py)
-        from estimate.check import check_estimate
-        args.estimate_check = check_estimate(__file__, argv, args.device)
-    return train(args, args.device)
+    return train_or_estimate(train, args, __file__, argv)  # --estimate: predicted instead (estimate/)
 
 
 if __name__ == "__main__":

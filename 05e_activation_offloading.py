@@ -18,6 +18,7 @@ from torch.utils.checkpoint import checkpoint  # checkpointing on one device
 from common.cli import parse_args, positive_int  # gradient accumulation: for its flag
 from common.data import load_data, split_batch, to_device
 from common.evaluate import evaluate
+from common.launch import train_or_estimate
 from common.memory import HOST, MemoryMeter, measure_creation
 from common.model import create_model, transformer_blocks
 from common.presets import preset_for
@@ -110,7 +111,8 @@ def train(args, device):
         blocks[index] = CheckpointedBlock(block, offload)
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr or preset.lr)
 
-    meter = MemoryMeter(device, model, optimizer)  # the peak of the first steps, by what it holds
+    # the peak of the first steps, by what it holds (--memory-snapshot: on CUDA, their history)
+    meter = MemoryMeter(device, model, optimizer, snapshot=args.memory_snapshot)
     progress = Progress(total_steps)  # progress lines, the losses and the training clock
     model.train()
     for epoch in range(args.epochs):
@@ -138,13 +140,7 @@ def own_flags(parser):  # gradient accumulation: this script's flag, beside comm
 
 def main(argv=None):
     args = parse_args(__doc__, argv, flags=own_flags)  # gradient accumulation: its flag
-    if args.estimate:  # predict instead: this script's main() on fake tensors (estimate/)
-        from estimate import estimate
-        return estimate(__file__, argv)
-    if args.check_estimate:  # and predict it beside the run, on a GPU (estimate/check.py)
-        from estimate.check import check_estimate
-        args.estimate_check = check_estimate(__file__, argv, args.device)
-    return train(args, args.device)
+    return train_or_estimate(train, args, __file__, argv)  # --estimate: predicted instead (estimate/)
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ from common.cli import parse_args, positive_int  # gradient accumulation: for it
 from common.cli import positive_float  # LoRA: for its flag
 from common.data import load_data, split_batch, to_device
 from common.evaluate import evaluate
+from common.launch import train_or_estimate
 from common.memory import MemoryMeter, measure_creation
 from common.model import classification_head, create_model, transformer_blocks
 from common.presets import preset_for
@@ -57,6 +58,9 @@ def add_adapters(model, rank, alpha, targets=None):  # LoRA
     """Freeze `model`, put an adapter on each linear layer of its blocks (those named in
     `targets`, if given) and train the adapters and a classifier's new head; returns the names."""
     model.requires_grad_(False)
+    found = sorted({name.rpartition(".")[2] for block in transformer_blocks(model)  # the names
+                    for name, module in block.named_modules()  # --lora-targets may take
+                    if isinstance(module, (torch.nn.Linear, Conv1D))})
     adapted = []
     for block in transformer_blocks(model):
         for name, module in list(block.named_modules()):
@@ -71,11 +75,9 @@ def add_adapters(model, rank, alpha, targets=None):  # LoRA
                                      f"a --lora-rank well below {width} (8 by default)")
                 setattr(block.get_submodule(parent), attribute, LoRALinear(module, rank, alpha))
                 adapted.append(attribute)
-    if not adapted and targets:  # say the names there are
-        found = sorted({name.rpartition(".")[2] for block in transformer_blocks(model)
-                        for name, module in block.named_modules()
-                        if isinstance(module, (torch.nn.Linear, Conv1D))})
-        raise SystemExit(f"error: no linear layer in the model's blocks is named {' or '.join(targets)}; "
+    unknown = sorted(set(targets or ()) - set(adapted))  # (a name misspelled among right ones too)
+    if unknown:  # say the names there are
+        raise SystemExit(f"error: no linear layer in the model's blocks is named {' or '.join(unknown)}; "
                          f"theirs are named {' '.join(found)}: --lora-targets takes those")
     if not adapted:
         raise SystemExit("error: the model's blocks have no linear layer for LoRA to "
@@ -123,7 +125,8 @@ def train(args, device):
     trained = [parameter for parameter in model.parameters() if parameter.requires_grad]  # LoRA
     optimizer = torch.optim.Adam(trained, lr=args.lr or preset.lora_lr)  # Adam, adapters only
 
-    meter = MemoryMeter(device, model, optimizer)  # the peak of the first steps, by what it holds
+    # the peak of the first steps, by what it holds (--memory-snapshot: on CUDA, their history)
+    meter = MemoryMeter(device, model, optimizer, snapshot=args.memory_snapshot)
     progress = Progress(total_steps)  # progress lines, the losses and the training clock
     model.train()
     for epoch in range(args.epochs):
@@ -158,13 +161,7 @@ def own_flags(parser):  # gradient accumulation: this script's flag, beside comm
 
 def main(argv=None):
     args = parse_args(__doc__, argv, flags=own_flags)  # gradient accumulation: its flag
-    if args.estimate:  # predict instead: this script's main() on fake tensors (estimate/)
-        from estimate import estimate
-        return estimate(__file__, argv)
-    if args.check_estimate:  # and predict it beside the run, on a GPU (estimate/check.py)
-        from estimate.check import check_estimate
-        args.estimate_check = check_estimate(__file__, argv, args.device)
-    return train(args, args.device)
+    return train_or_estimate(train, args, __file__, argv)  # --estimate: predicted instead (estimate/)
 
 
 if __name__ == "__main__":

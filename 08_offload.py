@@ -24,6 +24,7 @@ from common.cli import parse_args, positive_int  # gradient accumulation: for it
 from common.data import load_data, split_batch, to_device
 from common.distributed import end_distributed, init_distributed
 from common.evaluate import evaluate
+from common.launch import train_or_estimate
 from common.memory import MemoryMeter, measure_creation
 from common.model import create_model, fill_shards, transformer_blocks
 from common.presets import preset_for
@@ -80,7 +81,8 @@ def train(args, device):
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr or preset.sgd_lr)  # plain SGD
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=total_steps)
 
-    meter = MemoryMeter(device, model, optimizer)  # the peak of the first steps, by what it holds
+    # the peak of the first steps, by what it holds (--memory-snapshot: on CUDA, their history)
+    meter = MemoryMeter(device, model, optimizer, snapshot=args.memory_snapshot)
     progress = Progress(total_steps)  # progress lines, the losses and the training clock
     model.train()
     for epoch in range(args.epochs):
@@ -114,20 +116,18 @@ def own_flags(parser):  # gradient accumulation: this script's flag, beside comm
                      {"--world-size": (None, "WORLD_SIZE, or 1")})
 
 
-def main(argv=None):
-    args = parse_args(__doc__, argv, flags=own_flags)  # gradient accumulation: its flag
-    if args.estimate:  # predict instead: this script's main() on fake tensors (estimate/)
-        from estimate import estimate
-        return estimate(__file__, argv)
-    if args.check_estimate:  # and predict it beside the run, on a GPU (estimate/check.py)
-        from estimate.check import check_estimate
-        args.estimate_check = check_estimate(__file__, argv, args.device)
-    _, world_size, device = init_distributed(args.device)  # FSDP: one process per device
+def train_in_group(args, device):  # FSDP: one process per device, in a group
+    _, world_size, device = init_distributed(device)
     try:  # release the group's connections (NCCL communicators) also on error
         check_batch_split(args, world_size)  # equal micro-batches on every process
         return train(args, device)
     finally:
         end_distributed()  # leave the group and free it, before Python exits
+
+
+def main(argv=None):
+    args = parse_args(__doc__, argv, flags=own_flags)  # gradient accumulation: its flag
+    return train_or_estimate(train_in_group, args, __file__, argv)  # FSDP: in a process group
 
 
 if __name__ == "__main__":

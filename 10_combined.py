@@ -2,9 +2,11 @@
 
 The script to copy for a model that does not fit. With no switch it is the plain bfloat16 run
 (03: bfloat16 weights, Adam, whole batches) with the model created on its device (06). Each
-switch adds one script's technique, copied from it under its tag, and any of them may be stacked;
-a pair that cannot work together stops before training, saying why. Under torchrun, or with
---offload, the model is sharded as in 07-09. steps.py lists the switches that equal each script.
+switch adds one script's technique, copied from it, and any of them may be stacked; a pair that
+cannot work together stops before training, saying why. Under torchrun, or with --offload, the
+model is sharded as in 07-09. It reads as a recipe (the model built in a fixed order of steps,
+one loop of micro-batches), the table of switches and what each refuses, then each technique's
+code under its script's name. steps.py lists the switches that equal each script.
 
   python %(prog)s                                   # 03's run, created on the device (06)
   python %(prog)s --accum-steps 4 --optimizer adamw-8bit --checkpointing selective  # 04+05a+05d
@@ -13,12 +15,14 @@ a pair that cannot work together stops before training, saying why. Under torchr
   torchrun --nproc_per_node=2 %(prog)s --accum-steps 4 --checkpointing full   # 07 with 09's
   python %(prog)s --offload --checkpointing full --estimate   # 09 as a group of one, predicted
 """
+import argparse
 import math
 import os
 import sys
 from concurrent.futures import ThreadPoolExecutor  # gradients to host: a GPU's sums on a thread
 from contextlib import nullcontext
-from functools import partial  # sharded switches
+from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch._functorch.config  # memory budget: the partitioner's settings
@@ -26,7 +30,6 @@ import torch.distributed as dist
 import torch.nn.functional as F  # chunked loss
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
-from torch.distributed.tensor import DTensor  # sharded switches: a sharded weight
 from torch.utils.checkpoint import checkpoint  # checkpointing on one device
 # selective checkpointing: what to do with each operator's output, and the contexts that do it
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
@@ -34,11 +37,12 @@ from transformers.pytorch_utils import Conv1D  # LoRA: GPT-2's linear layers, we
 
 # --estimate runs main() on fake tensors with stand-ins for these names (no data, no download):
 # keep importing them by name. The list and the reasons: estimate/contract.py.
-from common.cli import (add_shared_flags, check_batch_split, checkpointing_kind, compiler_problem,
-                        parse_args, positive_float, positive_int, true_or_false)
+from common.cli import (SHARED_FLAGS, check_batch_split, compiler_problem, fraction, parse_args,
+                        positive_float, positive_int, true_or_false)
 from common.data import IGNORED, load_data, split_batch, to_device  # chunked loss: IGNORED
 from common.distributed import end_distributed, init_distributed
 from common.evaluate import evaluate
+from common.launch import train_or_estimate
 from common.memory import HOST, MemoryMeter, measure_creation
 from common.model import classification_head, create_model, fill_shards, transformer_blocks
 from common.presets import preset_for
@@ -51,279 +55,246 @@ try:  # 8-bit AdamW, QLoRA: from bitsandbytes (requirements.txt pins it)
     from bitsandbytes.nn import Linear4bit, Params4bit
     from bitsandbytes.optim import AdamW8bit
     NO_BITSANDBYTES = None
-except ImportError as error:  # said when --optimizer adamw-8bit or --qlora needs it (main)
+except ImportError as error:  # said when --optimizer adamw-8bit or --qlora needs it (REFUSALS)
     NO_BITSANDBYTES = f"bitsandbytes ({error}). Install it with pip install bitsandbytes==0.50.2 " \
                       "(as requirements.txt pins)"
 
-PRECISIONS = {"fp32": torch.float32, "mixed": torch.float32, "bf16": torch.bfloat16}  # 01, 02, 03
-
 
 def main(argv=None):
-    args = parse_args(__doc__, argv, flags=switches)  # the switches, --accum-steps 1 by default
-    problem = refusal(args)
-    if problem:
-        raise SystemExit(f"error: {problem}")
-    needs = "--qlora" if args.qlora else "--optimizer adamw-8bit" if args.optimizer == "adamw-8bit" else None
-    if needs and NO_BITSANDBYTES:
-        raise SystemExit(f"error: {needs} needs {NO_BITSANDBYTES}; or leave {needs} out")
-    args.lora_alpha = args.lora_alpha or 16.0
-    if args.reshard_after_forward is None and launched_sharded(args):
-        args.reshard_after_forward = True  # FSDP's default, as 07-09's (null in an unsharded record)
-    if args.estimate:  # predict instead: this script's main() on fake tensors (estimate/)
-        from estimate import estimate
-        return estimate(__file__, argv)
-    if args.check_estimate:  # and predict it beside the run, on a GPU (estimate/check.py)
-        from estimate.check import check_estimate
-        args.estimate_check = check_estimate(__file__, argv, args.device)
-    if not launched_sharded(args):
-        return train(args, args.device)
-    _, world_size, device = init_distributed(args.device)  # FSDP: one process per device
+    args = parse_args(__doc__, argv, flags=own_flags)  # every switch of SWITCHES, below
+    settings = resolved(args)  # the switches checked beside each other, and resolved, once
+    return train_or_estimate(launch, settings, __file__, argv)  # --estimate: predicted instead
+
+
+def launch(settings, device):
+    """Train here, or as one process of a group where the switches shard the model (07-09)."""
+    if not settings.sharded:
+        return train(settings, device, created_on=device)
+    _, world_size, device = init_distributed(device)  # FSDP: one process per device
     try:  # FSDP: release the group's connections (NCCL communicators) also on error
-        check_batch_split(args, world_size)  # equal micro-batches on every process
-        return train(args, device)
+        check_batch_split(settings, world_size)  # equal micro-batches on every process
+        # FSDP, on-device init: created as shapes only (meta), so that no device holds it all
+        return train(settings, device, torch.device("meta"), dist.get_rank(), world_size)
     finally:
         end_distributed()  # FSDP: leave the group and free it, before Python exits
 
 
-def train(args, device):
-    preset = preset_for(args)  # the preset, with --model's classifier if one is named
-    torch.manual_seed(args.seed)
-    dtype = PRECISIONS[args.precision]
+def train(settings, device, created_on, rank=0, world_size=1):
+    preset = preset_for(settings)  # the preset, with --model's classifier if one is named
+    torch.manual_seed(settings.seed)
+    data = load_data(preset, settings.batch_size, device, seed=settings.seed,
+                     rank=rank, world_size=world_size)  # FSDP: each process takes its slice
+    # optimizer steps (the last partial batch is dropped), or --max-steps
+    total_steps = min(settings.epochs * len(data.train), settings.max_steps or math.inf)
 
-    sharded = dist.is_initialized()  # FSDP: under torchrun, or with --offload
-    rank, world_size = (dist.get_rank(), dist.get_world_size()) if sharded else (0, 1)
-    data = load_data(preset, args.batch_size, device, seed=args.seed,
-                     rank=rank, world_size=world_size)
-    total_steps = args.epochs * len(data.train)  # optimizer steps; the last partial batch is dropped
-    if args.max_steps:
-        total_steps = min(total_steps, args.max_steps)
-
-    if args.checkpointing.startswith("budget:"):  # memory budget: only compiled code heeds it
-        torch._functorch.config.activation_memory_budget = float(args.checkpointing.split(":")[1])
-        args.compile = True  # memory budget: compiled below (sharded: as it is built)
     with measure_creation(device) as creation:
-        model = build_model(args, preset, device, sharded, world_size)
-    if args.lora_rank and preset.model is None:  # LoRA: a model drawn at random: nothing worth freezing
-        print("note: this model is trained from scratch, so LoRA's frozen weights are random: the "
-              "run shows LoRA's memory, not its accuracy (use --preset tiny-text)", file=sys.stderr)
-    if args.compile and not sharded and args.checkpointing != "offloaded":  # (offloaded: above)
-        for block in transformer_blocks(model):  # each block on its own (torchtitan's way), so
-            block.compile()  # each block's backward hands back its gradients as it ends
-
-    trained, optimizer, stepped, to_host, schedulers = build_optimizers(args, preset, model, device,
-                                                                        total_steps)
-    scaler = torch.amp.GradScaler(device.type) if args.precision == "mixed" else None  # mixed precision
-
-    # the peak of the first steps, by what it holds (optimizer in backward: all the optimizers)
-    meter = MemoryMeter(device, model, stepped if args.optimizer_in_backward else optimizer)
+        model = build_model(settings, preset, device, created_on, world_size)
+    optimizer = Optimizer(settings, model, device, total_steps)  # the one the switches choose
+    # mixed precision: a loss scaler, which does nothing where it is off (any other precision)
+    scaler = torch.amp.GradScaler(device.type, enabled=settings.precision == "mixed")
+    # the peak of the first steps, by what it holds
+    meter = MemoryMeter(device, model, optimizer.stepped, snapshot=settings.memory_snapshot)
     progress = Progress(total_steps)  # progress lines, the losses and the training clock
-    evaluation_loss = {"chunked": chunked_loss, "fused": fused_loss}.get(args.loss)  # chunked loss
-    if sharded and args.loss != "model":  # sharded switches: the loss is the root's forward
-        evaluation_loss = root_loss
     model.train()
-    for epoch in range(args.epochs):
+    for epoch in range(settings.epochs):
         for inputs, labels in data.train:
             with meter.step():
-                loss = train_step(model, optimizer, scaler, inputs, labels, device, args, trained,
-                                  to_host)
-            for scheduler in schedulers:
-                scheduler.step()  # plain SGD: the cosine moves once per optimizer step
+                loss = train_step(model, optimizer, scaler, inputs, labels, device, settings)
+            optimizer.schedule()  # plain SGD: the cosine moves once per optimizer step
             progress.step(epoch, loss)
             if progress.steps == total_steps:
                 break
-        score = evaluate(model, data.val, device, dtype,  # bf16-true, gradient accumulation
-                         pieces=args.accum_steps, loss=evaluation_loss)  # chunked loss
-        progress.epoch(epoch, args.epochs, score)
+        score = evaluate(model, data.val, device, settings.dtype,  # a micro-batch a forward
+                         pieces=settings.accum_steps, loss=settings.evaluation_loss)
+        progress.epoch(epoch, settings.epochs, score)
         if progress.steps == total_steps:
             break
-    test_score = evaluate(model, data.test, device, dtype,  # bf16-true, gradient accumulation
-                          pieces=args.accum_steps, loss=evaluation_loss)  # chunked loss
-    return report(args, __file__, creation, meter, progress, test_score)
+    test_score = evaluate(model, data.test, device, settings.dtype,
+                          pieces=settings.accum_steps, loss=settings.evaluation_loss)
+    return report(settings, __file__, creation, meter, progress, test_score)
 
 
-def build_model(args, preset, device, sharded, world_size):
-    """The model the switches ask for, created on its device (06; on meta, then sharded, as 07-09
-    shard it): adapted (07a, 07b), its blocks wrapped (05c-05e) and sharded (07-09)."""
-    dtype = PRECISIONS[args.precision]
-    # on-device init: tensors made in here go to the device (FSDP: shapes only, on meta)
-    with torch.device("meta" if sharded else device):
-        model = create_model(preset, dtype=dtype)  # on-device init: in its dtype from the start
-        if args.lora_rank:
-            add_adapters(model, args.lora_rank, args.lora_alpha, args.lora_targets)  # LoRA
-    if args.loss in ("chunked", "fused"):
-        check_plain_output_layer(model.config, "Train it with --loss model")  # chunked loss
-    if args.loss == "fused":
-        check_output_layer_without_bias(model, "Train it with --loss chunked")  # fused loss
-    if args.qlora:
-        for adapter in [module for module in model.modules() if isinstance(module, LoRALinear)]:  # QLoRA
-            adapter.base = in_four_bits(adapter.base)  # QLoRA: one layer at a time
-    if args.checkpointing in ("full", "selective", "offloaded"):
-        # checkpointing on one device, checkpointing: wrap each block (sharded: then the wrappers)
-        blocks = transformer_blocks(model)  # checkpointing on one device: wrap each block in place
-        offload = OffloadedInputs(device) if args.checkpointing == "offloaded" else nullcontext()
-        selective = args.checkpointing == "selective"  # selective checkpointing
-        for index, block in enumerate(blocks):
-            if args.compile and args.checkpointing == "offloaded":  # activation offloading:
-                block.compile()  # on its own, as the hooks' `with` stops the compiler
-            blocks[index] = CheckpointedBlock(block, offload, selective)  # activation offloading
-    if sharded:
-        # FSDP: shard each block (it gathers its weights in turn), then the rest as one more unit
-        shard_options = dict(mesh=init_device_mesh(device.type, (world_size,)))  # all processes
-        if args.offload:
-            # offload: shards live in CPU memory between uses (pinned when training on CUDA)
-            shard_options["offload_policy"] = CPUOffloadPolicy(pin_memory=device.type == "cuda")
-        for block in transformer_blocks(model):
-            if args.compile and args.checkpointing != "offloaded":  # FSDP: compile each block
-                block.compile()  # before sharding it (torchtitan's order): gathers stay outside
-            # true: ZeRO-3, gathered weights freed after forward; false: kept until backward
-            fully_shard(block, **shard_options, reshard_after_forward=args.reshard_after_forward)
-        fully_shard(model, **shard_options)  # embeddings, final norm and head
-        if args.loss != "model":  # sharded switches: the loss is the root's forward, so FSDP
-            model.forward = partial(chunked_loss if args.loss == "chunked" else fused_loss, model)
-        fill_shards(model, preset, device)  # FSDP: each process allocates and fills its shards
+def build_model(settings, preset, device, created_on, world_size):
+    """The model, created where it trains in its dtype (06; as shapes only when it is to be
+    sharded), then each technique the switches ask for applied in a fixed order, each behind one
+    check (torchtitan's parallelize_llama): adapters, 4-bit weights, checkpointing, compile,
+    sharding."""
+    with torch.device(created_on):  # on-device init: tensors made in here go to the device
+        model = create_model(preset, dtype=settings.dtype)  # on-device init: in its dtype from the start
+        if settings.lora_rank:
+            apply_adapters(model, settings, preset)  # 07a: made where the model is
+    check_loss(model, settings.loss)  # 05g, 05h: the model's loss is what they compute
+    if settings.qlora:
+        apply_four_bits(model)  # 07b
+    if settings.checkpointing in WRAPPED:
+        apply_checkpointing(model, settings, device)  # 05c-05e (05e compiles each block first)
+    if settings.compile and settings.checkpointing != "offloaded":
+        apply_compile(model, settings.memory_budget)  # each block; 05k's budget, or none (1.0)
+    if settings.sharded:
+        apply_sharding(model, settings, preset, device, world_size)  # 07-09
     return model
 
 
-def build_optimizers(args, preset, model, device, total_steps):
-    """(the trained weights, the optimizer or None, every optimizer stepped, the gradients' hooks
-    to the host or None, the schedules) the switches ask for (03's Adam by default)."""
-    trained = [parameter for parameter in model.parameters() if parameter.requires_grad]  # LoRA
-    weights = trained
-    no_dtensor_rule = args.optimizer in ("adamw-8bit", "adamw-4bit") or args.stochastic_rounding
-    if isinstance(trained[0], DTensor) and no_dtensor_rule:  # sharded switches: each process
-        weights = local_shards(trained)  # steps its shards (plain tensors), as weights
-    if args.optimizer_on_host:
-        # Adam on the host: a host copy of each weight, which Adam updates, its state beside it
-        # (pinned on a GPU: copies to and fro are queued, not waited for)
-        weights = [weight.detach().to(HOST, copy=True, non_blocking=True) for weight in trained]
-    if args.optimizer_in_backward:
-        # optimizer in backward: one Adam per weight, stepped by a hook once its gradient is complete
-        optimizers = {param: make_optimizer([weight], args, preset)
-                      for param, weight in zip(trained, weights)}
+class Optimizer:
+    """The optimizer the switches choose, at its script's rate (OPTIMIZERS), over the trained
+    weights or what stands in for them (each process's plain shards, host copies: resolved()),
+    one for all or one per weight, stepped in backward (04a); how it steps after backward."""
 
-        def step_and_free(param):  # optimizer in backward: update this weight now, free its gradient
-            if args.optimizer_on_host:
-                step_on_host(optimizers[param], [param])  # Adam on the host
-                return
-            optimizers[param].step()
-            optimizers[param].zero_grad(set_to_none=True)
+    def __init__(self, settings, model, device, total_steps):
+        self.settings = settings
+        self.trained = [param for param in model.parameters() if param.requires_grad]  # LoRA
+        self.weights = settings.stepped_weights(self.trained)  # the trained ones, or stand-ins
+        make = partial(settings.make_optimizer, lr=settings.lr,  # Adam on the host: fused on a GPU's
+                       fused=settings.optimizer_on_host and device.type == "cuda" or None)
+        if settings.optimizer_in_backward:  # 04a: one per weight, stepped as its gradient is made
+            self.stepped = [make([weight]) for weight in self.weights]
+            step_in_backward(self.trained, self.stepped, settings.optimizer_on_host)
+        else:
+            self.stepped = [make(self.weights)]
+        # gradients to host: each copied out as backward makes it (else: 05f's copies after it)
+        self.to_host = settings.gradients_kept(self.trained, self.weights, device)
+        self.schedules = [settings.schedule(each, total_steps) for each in self.stepped
+                          if settings.schedule]  # plain SGD: a cosine
 
-        for param in trained:  # optimizer in backward
-            param.register_post_accumulate_grad_hook(step_and_free)
-        optimizer, stepped = None, list(optimizers.values())
-    else:
-        optimizer = make_optimizer(weights, args, preset)
-        stepped = [optimizer]
-    # gradients to host: each gradient copied out as backward makes it (None: 05f's copies after)
-    to_host = GradientsToHost(trained, weights, device) if args.gradients_to_host else None
-    schedulers = [torch.optim.lr_scheduler.CosineAnnealingLR(each, T_max=total_steps)  # plain SGD
-                  for each in stepped] if args.optimizer == "sgd" else []
-    return trained, optimizer, stepped, to_host, schedulers
+    def micro_batch_done(self):
+        self.to_host.add_up()  # gradients to host: added up on the host while the next one runs
 
-
-def forward(model, inputs, labels, args, device):
-    """The loss of one (micro-)batch: the model's own, the chunked one or the fused one."""
-    with torch.autocast(device_type=device.type, dtype=torch.float16,  # mixed precision
-                        enabled=args.precision == "mixed"):
-        if args.loss != "model" and dist.is_initialized():  # sharded switches: the loss is
-            return root_loss(model, inputs, labels)  # the root's forward (build_model)
-        if args.loss == "chunked":
-            return chunked_loss(model, inputs, labels)  # chunked loss
-        if args.loss == "fused":
-            return fused_loss(model, inputs, labels)  # fused loss
-        return model(**inputs, labels=labels).loss  # its own loss: over classes, or next tokens
-
-
-def train_step(model, optimizer, scaler, inputs, labels, device, args, trained, to_host):
-    """One optimizer step on one batch; returns the loss. `optimizer` is None when each weight
-    is stepped during backward; `scaler` is None unless --precision mixed; `to_host` is None
-    unless --gradients-to-host."""
-    dtype = PRECISIONS[args.precision]
-    scale = (lambda loss: loss) if scaler is None else scaler.scale  # mixed precision
-    if args.accum_steps == 1:  # the whole batch at once
-        inputs, labels = to_device(inputs, device, dtype), labels.to(device, non_blocking=True)  # bf16-true
-        loss = forward(model, inputs, labels, args, device)
-        scale(loss).backward()  # mixed precision: scaled up, float16 gradients would underflow
-        if to_host is not None:
-            to_host.add_up()  # gradients to host: added up on the host while the next micro-batch runs
-        batch_loss = loss.detach()
-    else:
-        # gradient accumulation: equal micro-batches, one at a time; their gradients add up in .grad
-        micro_size = len(labels) // args.accum_steps
-        micro_batches = split_batch(inputs, labels, micro_size)
-        batch_loss = 0.0
-        for micro_inputs, micro_labels in micro_batches:
-            micro_inputs = to_device(micro_inputs, device, dtype)  # bf16-true: bfloat16 images
-            micro_labels = micro_labels.to(device, non_blocking=True)
-            loss = forward(model, micro_inputs, micro_labels, args, device) / len(micro_batches)
-            scale(loss).backward()  # mixed precision
-            if to_host is not None:
-                to_host.add_up()  # gradients to host: added up on the host while the next micro-batch runs
-            batch_loss += loss.detach().float()  # the record's loss, summed in float32
-    if scaler is not None:
+    def step(self, scaler):
+        """The step once backward is done: none where each weight was stepped in it (04a)."""
+        optimizer, settings = self.stepped[0], self.settings
+        if settings.optimizer_in_backward:
+            return
+        if settings.optimizer_on_host:
+            self.to_host.add_all()  # gradients to host: every copy in .grad before the step
+            step_on_host(optimizer, self.trained)  # Adam on the host
+            return
+        move_gradients(self.trained, self.weights)  # sharded switches: onto each plain shard
         scaler.unscale_(optimizer)  # mixed precision: true gradients from here on (clip here)
         scaler.step(optimizer)  # mixed precision: skipped if a gradient is inf or NaN
         scaler.update()  # mixed precision: lower the scale after a skip, raise it after many good steps
         optimizer.zero_grad(set_to_none=True)
-    elif args.optimizer_on_host and optimizer is not None:
-        if to_host is not None:
-            to_host.add_all()  # gradients to host: every copy in .grad before the step
-        step_on_host(optimizer, trained)  # Adam on the host
-    elif optimizer is not None:  # optimizer in backward: None, every weight stepped already
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-    if dist.is_initialized():
+
+    def schedule(self):
+        for each in self.schedules:
+            each.step()  # plain SGD: the cosine moves once per optimizer step
+
+
+def train_step(model, optimizer, scaler, inputs, labels, device, settings):
+    """One optimizer step on one batch, as --accum-steps equal micro-batches (04; one: the whole
+    batch at once, as 03) whose gradients add up in .grad; returns the batch's mean loss."""
+    # gradient accumulation: equal micro-batches, one at a time; their gradients add up in .grad
+    micro_batches = split_batch(inputs, labels, len(labels) // settings.accum_steps)
+    batch_loss = None  # the record's loss, summed in float32
+    for micro_inputs, micro_labels in micro_batches:
+        micro_inputs = to_device(micro_inputs, device, settings.dtype)  # bf16-true: bfloat16 images
+        micro_labels = micro_labels.to(device, non_blocking=True)
+        with torch.autocast(device_type=device.type, dtype=torch.float16,  # mixed precision
+                            enabled=settings.precision == "mixed"):
+            loss = settings.loss_of(model, micro_inputs, micro_labels) / len(micro_batches)
+        scaler.scale(loss).backward()  # mixed precision: scaled up, else as it is
+        optimizer.micro_batch_done()
+        # (one micro-batch: its loss in float32, as 01-03 record it; then 04's sum)
+        batch_loss = loss.detach().float() if batch_loss is None else batch_loss + loss.detach().float()
+    optimizer.step(scaler)
+    if settings.sharded:
         dist.all_reduce(batch_loss)  # FSDP: the mean loss over all processes, for the record
         batch_loss /= dist.get_world_size()
     return batch_loss
 
 
-# ---- the switches, and the pairs that cannot train together ------------------------------------
+# ==== the switches: one record each, and what cannot train together =============================
+
+PRECISIONS = {"fp32": torch.float32, "mixed": torch.float32, "bf16": torch.bfloat16}  # 01, 02, 03
+ANY = "N"  # a switch's value, where it takes a number (or names) rather than a choice
+
+# the groups of the stack's chain (estimate/stack.py walks them in this order): what a switch's
+# value costs, for the values the chain may set
+EXACT, INEXACT, NO_ACCUMULATION, OVER_PCIE, WEIGHTS_ON_HOST = (
+    "exact: the same arithmetic, more time", "inexact: the optimizer's arithmetic changes",
+    "no accumulation: the micro-batch is the batch", "bytes over PCIe every step",
+    "the weights in host memory too")
 
 
-def switches(parser):
-    """The switches of 10, each off by default (the run is then 03's, created as 06 creates it)."""
-    parser.add_argument("--accum-steps", type=positive_int, default=1,
-                        help="micro-batches per optimizer step (default: 1; 04)")
-    parser.add_argument("--precision", choices=PRECISIONS, default="bf16",
-                        help="fp32 (01), mixed: float16 autocast and a loss scaler (02), "
-                             "bf16: the whole model in bfloat16 (03, default)")
-    parser.add_argument("--stochastic-rounding", action="store_true",
-                        help="Adam's step rounded into bfloat16 at random (04b)")
-    parser.add_argument("--optimizer", choices=["adam", "adamw-8bit", "adamw-4bit", "adafactor", "sgd"],
-                        default="adam", help="adam (default), adamw-8bit (05a), adamw-4bit (05j), "
-                                             "adafactor (05b), sgd: plain SGD with cosine decay (05)")
-    parser.add_argument("--optimizer-on-host", action="store_true",
-                        help="the optimizer's state and step in host memory (05f)")
-    parser.add_argument("--gradients-to-host", action="store_true",
-                        help="with --optimizer-on-host: each gradient sent to host memory as "
-                             "soon as backward makes it (05i)")
-    parser.add_argument("--optimizer-in-backward", action="store_true",
-                        help="each weight stepped as soon as its gradient is complete (04a)")
-    parser.add_argument("--checkpointing", type=checkpointing_kind, default="none",
-                        help="recompute each block in backward: full (05c; 09 when sharded), "
-                             "selective (05d), offloaded: inputs in host memory (05e); budget:F: "
-                             "compiled, backward keeping at most F (0 to 1) of what it would (05k)")
-    parser.add_argument("--loss", choices=["model", "chunked", "fused"], default="model",
-                        help="model: the model's own (default); chunked: the output layer and "
-                             "loss a piece of the sequence at a time (05g, --task causal-lm); "
-                             "fused: the same, its gradients made in forward (05h)")
-    parser.add_argument("--lora-rank", type=positive_int,
-                        help="train low-rank adapters of this rank on frozen weights (07a)")
-    parser.add_argument("--lora-alpha", type=positive_float,
-                        help="with --lora-rank: the adapters' scale is alpha / r (default: 16)")
-    parser.add_argument("--lora-targets", nargs="+", metavar="NAME",
-                        help="with --lora-rank: adapt only the linear layers of these names")
-    parser.add_argument("--qlora", action="store_true",
-                        help="with --lora-rank: the adapted layers' frozen weights in 4 bits (07b)")
-    parser.add_argument("--offload", action="store_true",
-                        help="FSDP with parameters, gradients and optimizer state in host "
-                             "memory (08); alone, a group of one process")
-    add_shared_flags(parser, ["--world-size"],  # the processes --estimate assumes (as 07-09's)
-                     {"--world-size": (None, "WORLD_SIZE, or 1")})
-    parser.add_argument("--reshard-after-forward", type=true_or_false, metavar="{true,false}",
-                        help="when sharded: true (default, ZeRO-3) frees each block's gathered "
-                             "weights after forward; false (ZeRO-2's memory) keeps them (07)")
+def checkpointing_kind(text):
+    """--checkpointing: none, full, selective, offloaded, or budget:F with F from 0 to 1 (05k)."""
+    if text in ("none", "full", "selective", "offloaded"):
+        return text
+    kind, _, value = text.partition(":")
+    if kind != "budget":
+        raise argparse.ArgumentTypeError(f"expected none, full, selective, offloaded or budget:F "
+                                         f"(F from 0 to 1), got {text!r}")
+    return f"budget:{fraction(value)}"
+
+
+@dataclass(frozen=True)
+class Switch:
+    """One switch: its flag and argparse's options for it, the step each value comes from (a
+    value: its step, or steps; ANY where it takes a number), and the stack's group of each value
+    the stack's chain may set. `tried`: a value the tests try it with where it takes any."""
+    flag: str
+    options: dict
+    steps: dict
+    groups: dict = None
+    tried: tuple = ()
+
+
+SWITCHES = (
+    Switch("--precision", dict(choices=PRECISIONS, default="bf16", help=(
+        "fp32 (01), mixed: float16 autocast and a loss scaler (02), bf16: the whole model in "
+        "bfloat16 (03, default)")), {"fp32": "01", "mixed": "02", "bf16": "03"}),
+    Switch("--stochastic-rounding", dict(action="store_true", help=(
+        "Adam's step rounded into bfloat16 at random (04b)")), {True: "04b"}),
+    Switch("--accum-steps", dict(type=positive_int, default=1, help=(
+        "micro-batches per optimizer step (default: 1; 04)")), {ANY: "04"}, tried=("2",)),
+    Switch("--optimizer", dict(choices=["adam", "adamw-8bit", "adamw-4bit", "adafactor", "sgd"],
+                               default="adam", help=(
+        "adam (default), adamw-8bit (05a), adamw-4bit (05j), adafactor (05b), sgd: plain SGD "
+        "with cosine decay (05)")),
+        {"adamw-8bit": "05a", "adamw-4bit": "05j", "adafactor": "05b", "sgd": "05"},
+        {"adamw-8bit": INEXACT, "adamw-4bit": INEXACT}),
+    Switch("--optimizer-on-host", dict(action="store_true", help=(
+        "the optimizer's state and step in host memory (05f)")), {True: "05f"}, {True: OVER_PCIE}),
+    Switch("--gradients-to-host", dict(action="store_true", help=(
+        "with --optimizer-on-host: each gradient sent to host memory as soon as backward makes "
+        "it (05i)")), {True: "05i"}, {True: OVER_PCIE}),
+    Switch("--optimizer-in-backward", dict(action="store_true", help=(
+        "each weight stepped as soon as its gradient is complete (04a)")), {True: "04a"},
+        {True: NO_ACCUMULATION}),
+    Switch("--checkpointing", dict(type=checkpointing_kind, default="none", help=(
+        "recompute each block in backward: full (05c; 09 when sharded), selective (05d), "
+        "offloaded: inputs in host memory (05e); budget:F: compiled, backward keeping at most F "
+        "(0 to 1) of what it would (05k)")),
+        {"full": ("05c", "09"), "selective": "05d", "offloaded": "05e", "budget:F": "05k"},
+        {"full": EXACT, "selective": EXACT, "offloaded": OVER_PCIE}),
+    Switch("--loss", dict(choices=["model", "chunked", "fused"], default="model", help=(
+        "model: the model's own (default); chunked: the output layer and loss a piece of the "
+        "sequence at a time (05g, --task causal-lm); fused: the same, its gradients made in "
+        "forward (05h)")), {"chunked": "05g", "fused": "05h"}, {"fused": EXACT}),
+    Switch("--lora-rank", dict(type=positive_int, help=(
+        "train low-rank adapters of this rank on frozen weights (07a)")), {ANY: "07a"},
+        tried=("4",)),
+    Switch("--lora-alpha", dict(type=positive_float, help=(
+        "with --lora-rank: the adapters' scale is alpha / r (default: 16)")), {ANY: "07a"}),
+    Switch("--lora-targets", dict(nargs="+", metavar="NAME", help=(
+        "with --lora-rank: adapt only the linear layers of these names")), {ANY: "07a"}),
+    Switch("--qlora", dict(action="store_true", help=(
+        "with --lora-rank: the adapted layers' frozen weights in 4 bits (07b)")), {True: "07b"}),
+    Switch("--offload", dict(action="store_true", help=(
+        "FSDP with parameters, gradients and optimizer state in host memory (08); alone, a group "
+        "of one process")), {True: "08"}, {True: WEIGHTS_ON_HOST}),
+    Switch("--world-size", dict(SHARED_FLAGS["--world-size"], default=None, help=(  # as 07-09's
+        SHARED_FLAGS["--world-size"]["help"] + " (default: WORLD_SIZE, or 1)")), {ANY: "07"}),
+    Switch("--reshard-after-forward", dict(type=true_or_false, metavar="{true,false}", help=(
+        "when sharded: true (default, ZeRO-3) frees each block's gathered weights after forward; "
+        "false (ZeRO-2's memory) keeps them (07)")), {ANY: "07"}, tried=("false",)),
+)
+
+
+def own_flags(parser):
+    """Each switch of SWITCHES on the command line, off by default (the run is then 03's,
+    created as 06 creates it)."""
+    for switch in SWITCHES:
+        parser.add_argument(switch.flag, **switch.options)
 
 
 def launched_sharded(args):
@@ -334,93 +305,255 @@ def launched_sharded(args):
     return args.offload or world is not None and ("RANK" in os.environ or world == "1")
 
 
-def refusal(args):
-    """Why the switches given cannot train together (naming both, and why), or None."""
-    sharded = "--offload" if args.offload else "sharding (torchrun)"
-    if args.optimizer_in_backward and args.accum_steps > 1:
-        return ("--optimizer-in-backward with --accum-steps: each weight is stepped during "
-                "backward, so gradients cannot add up over micro-batches; use one of them")
-    if args.optimizer_in_backward and args.precision == "mixed":
-        return ("--optimizer-in-backward with --precision mixed: the loss scaler checks every "
-                "gradient for inf before one step; use --precision bf16 or fp32")
-    if args.stochastic_rounding and args.precision != "bf16":
-        return (f"--stochastic-rounding with --precision {args.precision}: it rounds the step "
-                "into bfloat16 weights; use --precision bf16")
-    if args.stochastic_rounding and args.optimizer != "adam":
-        return (f"--stochastic-rounding with --optimizer {args.optimizer}: it is Adam's update, "
-                "rounded at random; use --optimizer adam")
-    if args.optimizer == "adafactor" and launched_sharded(args):
-        return (f"--optimizer adafactor with {sharded}: its second moment is factored into the "
-                "sums of each weight's rows and columns, and a process holds some rows only; use "
-                "--optimizer adam, sgd, adamw-8bit or adamw-4bit")
-    if args.optimizer == "adamw-8bit" and args.optimizer_in_backward and launched_sharded(args) \
-            and not args.offload:
-        return ("--optimizer adamw-8bit with --optimizer-in-backward under torchrun: FSDP calls "
-                "each weight's step on its reduce-scatter stream, and bitsandbytes launches its "
-                "kernels on the default stream, so a step could read a gradient shard before the "
-                "reduce-scatter has written it; use --optimizer adamw-4bit, or one of them")
-    if args.optimizer in ("adamw-8bit", "adamw-4bit") and args.precision == "mixed" \
-            and launched_sharded(args):
-        return (f"--optimizer {args.optimizer} with --precision mixed and {sharded}: it steps each "
-                "process's gradient shards as plain tensors, so each loss scaler would look for "
-                "inf in its own shards only, and the processes could disagree on skipping a "
-                "step; use --precision bf16")
-    budget = args.checkpointing.startswith("budget:")  # memory budget: compiled, so as --compile
-    if budget and not args.estimate and compiler_problem(args.device):
-        return f"--checkpointing budget compiles the blocks: {compiler_problem(args.device)}"
-    if args.gradients_to_host and not args.optimizer_on_host:
-        return ("--gradients-to-host without --optimizer-on-host: it sends each gradient to the "
-                "host's optimizer; add --optimizer-on-host")
-    if args.gradients_to_host and args.optimizer_in_backward:
-        return ("--gradients-to-host with --optimizer-in-backward: each weight's step on the host "
-                "takes its gradient out as backward makes it already; use one of them")
-    if args.optimizer_on_host and args.offload:
-        return ("--optimizer-on-host with --offload: both keep the optimizer's state and step "
-                "in host memory; --offload also keeps the weights there: use one of them")
-    if args.optimizer_on_host and launched_sharded(args):
-        return ("--optimizer-on-host with sharding (torchrun): use --offload, which keeps each "
-                "process's shards, their state and the step in host memory")
-    if args.precision == "mixed" and args.offload:
-        return ("--precision mixed with --offload: the loss scaler's check for inf all-reduces a "
-                "flag made beside the gradient shards in host memory, which a GPU group (NCCL) "
-                "cannot carry; use --precision bf16 or fp32")
-    if args.qlora and args.precision == "mixed":
-        return ("--qlora with --precision mixed: the 4-bit layers compute in their float32 "
-                "weights' dtype and autocast copies each dequantized weight again in float16; use "
-                "--precision bf16")
-    if args.optimizer_on_host and args.precision == "mixed":
-        return ("--optimizer-on-host with --precision mixed: the loss scaler unscales the "
-                "gradients on the device, before the step; use --precision bf16 or fp32")
-    if args.loss != "model" and args.task != "causal-lm":
-        return (f"--loss {args.loss} with --task {args.task}: a classifier's logits are a few "
-                "numbers per sample, with nothing to chunk; add --task causal-lm")
-    if args.loss == "fused" and args.precision == "mixed":
-        return ("--loss fused with --precision mixed: it makes its gradients in forward, before "
-                "the loss scaler's factor reaches them, so small float16 gradients would "
-                "underflow; use --precision bf16 or fp32")
-    for name in ("lora_alpha", "lora_targets", "qlora"):
-        if getattr(args, name) and not args.lora_rank:
-            return (f"--{name.replace('_', '-')} without --lora-rank: it shapes the adapters; "
-                    "add --lora-rank R")
-    if args.lora_rank and launched_sharded(args):
-        return (f"--lora-rank with {sharded}: the sharded model is filled from the preset's "
-                "model parameter by parameter, and the adapters are not in it")
-    world = os.environ.get("WORLD_SIZE")
-    if world not in (None, "1") and "RANK" not in os.environ and not args.estimate:
-        return (f"WORLD_SIZE={world} is set, but no launcher started this process (torchrun sets "
-                f"RANK too): unset WORLD_SIZE to train in one process, or start it with torchrun "
-                f"--nproc_per_node={world}")
-    if args.check_estimate and args.checkpointing.startswith("budget:"):
-        return ("--check-estimate with --checkpointing budget:F: the budget compiles the blocks, "
-                "whose estimate is a range (estimate/compiled.py), so nothing would be checked; "
-                "leave one of them out")
-    if args.reshard_after_forward is not None and not launched_sharded(args):
-        return ("--reshard-after-forward without sharding: it says what FSDP does after a "
-                "block's forward; run under torchrun or with --offload")
+@dataclass(frozen=True)
+class When:
+    """A condition that REFUSALS names: its words (or a function of the settings that gives
+    them), their form in docs/combined.md, and whether it holds for the settings."""
+    words: object
+    holds: object
+    doc: str = None
+
+    def said(self, settings):
+        return self.words(settings) if callable(self.words) else self.words
+
+    def __and__(self, other):  # both, said together
+        return When(lambda settings: f"{self.said(settings)} and {other.said(settings)}",
+                    lambda settings: self.holds(settings) and other.holds(settings),
+                    f"{self.doc} and {other.doc}")
+
+
+def given(flag, *values):
+    """--flag given: set to one of `values` where named, else to anything but its default."""
+    name = flag[2:].replace("-", "_")
+    if values:
+        return When(lambda settings: f"{flag} {getattr(settings, name)}",
+                    lambda settings: getattr(settings, name) in values, f"{flag} {'|'.join(values)}")
+    switch = next(switch for switch in SWITCHES if switch.flag == flag)
+    default = switch.options.get("default", False if switch.options.get("action") else None)
+    return When(flag, lambda settings: getattr(settings, name) != default, flag)
+
+
+def missing(flag):
+    """--flag not given; said "without --flag"."""
+    return When(f"without {flag}", lambda settings: not given(flag).holds(settings), f"without {flag}")
+
+
+def sharding_words(settings):
+    """What shards this run, in words: --offload, torchrun, or a WORLD_SIZE=1 left set."""
+    if settings.offload:
+        return "--offload"
+    return "sharding (torchrun)" if "RANK" in os.environ else \
+        "WORLD_SIZE=1 (set, it runs sharded as a group of one: unset it for a run without FSDP)"
+
+
+SHARDED = When(sharding_words, launched_sharded, "sharding (torchrun or --offload)")
+UNDER_TORCHRUN = When(sharding_words, lambda settings: launched_sharded(settings) and not settings.offload,
+                      "sharding (torchrun)")
+UNSHARDED = When("without sharding", lambda settings: not launched_sharded(settings), "without sharding")
+BUDGET = When("--checkpointing budget:F", lambda settings: settings.checkpointing.startswith("budget:"),
+              "--checkpointing budget:F")
+CHECK_ESTIMATE = When("--check-estimate", lambda settings: settings.check_estimate, "--check-estimate")
+NO_COMPILER = When("no compiler torch.compile can use here", lambda settings: not settings.estimate
+                   and compiler_problem(settings.device) is not None,
+                   "no compiler torch.compile can use here")
+NO_BITSANDBYTES_HERE = When("without bitsandbytes", lambda settings: NO_BITSANDBYTES is not None,
+                            "without bitsandbytes")
+STRAY_WORLD_SIZE = When(
+    lambda settings: f"WORLD_SIZE={os.environ['WORLD_SIZE']} is set, but no launcher started this "
+                     "process (torchrun sets RANK too)",
+    lambda settings: os.environ.get("WORLD_SIZE") not in (None, "1") and "RANK" not in os.environ
+    and not settings.estimate, "WORLD_SIZE set (other than 1) without a launcher")
+
+def the_compilers_words(settings):
+    """torch.compile's own words: what to install"""
+    return compiler_problem(settings.device)
+
+
+def where_to_get_bitsandbytes(settings):
+    """bitsandbytes' error, and the pinned version to install"""
+    return f"it needs {NO_BITSANDBYTES}; or leave it out"
+
+
+def unset_or_launch(settings):
+    """unset WORLD_SIZE to train in one process, or start the script with torchrun"""
+    world = os.environ["WORLD_SIZE"]
+    if not world.isdigit() or int(world) < 1:
+        return "it is no count of processes: unset WORLD_SIZE to train in one process"
+    return f"unset WORLD_SIZE to train in one process, or start it with torchrun --nproc_per_node={world}"
+
+
+# the switches that cannot train together: (when each of these holds, why, and what to do); the
+# first that holds stops the run before anything is built, in one line naming them
+REFUSALS = (
+    (given("--optimizer-in-backward"), given("--accum-steps"),
+     "each weight is stepped during backward, so gradients cannot add up over micro-batches; "
+     "use one of them"),
+    (given("--optimizer-in-backward"), given("--precision", "mixed"),
+     "the loss scaler checks every gradient for inf before one step; use --precision bf16 or fp32"),
+    (given("--stochastic-rounding"), given("--precision", "fp32", "mixed"),
+     "it rounds the step into bfloat16 weights; use --precision bf16"),
+    (given("--stochastic-rounding"), given("--optimizer", "adamw-8bit", "adamw-4bit", "adafactor", "sgd"),
+     "it is Adam's update, rounded at random; use --optimizer adam"),
+    (given("--optimizer", "adafactor"), SHARDED,
+     "its second moment is factored into the sums of each weight's rows and columns, and a "
+     "process holds some rows only; use --optimizer adam, sgd, adamw-8bit or adamw-4bit"),
+    (given("--optimizer", "adamw-8bit"), given("--optimizer-in-backward") & UNDER_TORCHRUN,
+     "FSDP calls each weight's step on its reduce-scatter stream, and bitsandbytes launches its "
+     "kernels on the default stream, so a step could read a gradient shard before the "
+     "reduce-scatter has written it; use --optimizer adamw-4bit, or one of them"),
+    (given("--optimizer", "adamw-8bit", "adamw-4bit"), given("--precision", "mixed") & SHARDED,
+     "it steps each process's gradient shards as plain tensors, so each loss scaler would look "
+     "for inf in its own shards only, and the processes could disagree on skipping a step; use "
+     "--precision bf16"),
+    (BUDGET, NO_COMPILER, the_compilers_words),
+    (given("--gradients-to-host"), missing("--optimizer-on-host"),
+     "it sends each gradient to the host's optimizer; add --optimizer-on-host"),
+    (given("--gradients-to-host"), given("--optimizer-in-backward"),
+     "each weight's step on the host takes its gradient out as backward makes it already; use "
+     "one of them"),
+    (given("--optimizer-on-host"), given("--offload"),
+     "both keep the optimizer's state and step in host memory; --offload also keeps the weights "
+     "there: use one of them"),
+    (given("--optimizer-on-host"), UNDER_TORCHRUN,
+     "use --offload, which keeps each process's shards, their state and the step in host memory"),
+    (given("--precision", "mixed"), given("--offload"),
+     "the loss scaler's check for inf all-reduces a flag made beside the gradient shards in host "
+     "memory, which a GPU group (NCCL) cannot carry; use --precision bf16 or fp32"),
+    (given("--qlora"), given("--precision", "mixed"),
+     "the 4-bit layers compute in their float32 weights' dtype and autocast copies each "
+     "dequantized weight again in float16; use --precision bf16"),
+    (given("--optimizer-on-host"), given("--precision", "mixed"),
+     "the loss scaler unscales the gradients on the device, before the step; use --precision "
+     "bf16 or fp32"),
+    (given("--loss", "chunked", "fused"), given("--task", "classification"),
+     "a classifier's logits are a few numbers per sample, with nothing to chunk; add --task "
+     "causal-lm"),
+    (given("--loss", "fused"), given("--precision", "mixed"),
+     "it makes its gradients in forward, before the loss scaler's factor reaches them, so small "
+     "float16 gradients would underflow; use --precision bf16 or fp32"),
+    (given("--lora-alpha"), missing("--lora-rank"), "it shapes the adapters; add --lora-rank R"),
+    (given("--lora-targets"), missing("--lora-rank"), "it shapes the adapters; add --lora-rank R"),
+    (given("--qlora"), missing("--lora-rank"), "it shapes the adapters; add --lora-rank R"),
+    (given("--lora-rank"), SHARDED,
+     "the sharded model is filled from the preset's model parameter by parameter, and the "
+     "adapters are not in it"),
+    (given("--optimizer", "adamw-8bit"), NO_BITSANDBYTES_HERE, where_to_get_bitsandbytes),
+    (given("--qlora"), NO_BITSANDBYTES_HERE, where_to_get_bitsandbytes),
+    (STRAY_WORLD_SIZE, unset_or_launch),
+    (CHECK_ESTIMATE, BUDGET,
+     "the budget compiles the blocks, whose estimate is a range (estimate/compiled.py), so "
+     "nothing would be checked; leave one of them out"),
+    (given("--reshard-after-forward"), UNSHARDED,
+     "it says what FSDP does after a block's forward; run under torchrun or with --offload"),
+)
+
+
+def refusal(settings):
+    """Why the switches given (the parsed command line) cannot train together, in one line naming
+    them, or None."""
+    for *conditions, why in REFUSALS:
+        if all(condition.holds(settings) for condition in conditions):
+            words = [condition.said(settings) for condition in conditions]
+            named = words[0] + "".join(f" {word}" if word.startswith("without ") else f" with {word}"
+                                       for word in words[1:])
+            return f"{named}: {why(settings) if callable(why) else why}"
     return None
 
 
-# ==== the techniques, in steps.py's order: each its script's code, under its tag ================
+class Settings(argparse.Namespace):
+    """The command line with what the switches imply resolved once (resolved()): the recipe
+    reads it and never changes it."""
+
+    def __setattr__(self, name, value):
+        if name in vars(self):
+            raise AttributeError(f"the settings are resolved once: {name} does not change")
+        super().__setattr__(name, value)
+
+
+def resolved(args):
+    """This run's settings: every switch checked beside the others (the first of REFUSALS that
+    holds stops here, in one line), then what they imply, worked out once."""
+    problem = refusal(args)
+    if problem:
+        raise SystemExit(f"error: {problem}")
+    settings = Settings(**vars(args), sharded=launched_sharded(args))
+    budget = args.checkpointing.partition("budget:")[2]  # memory budget: compiled, under it
+    chosen = OPTIMIZERS["stochastic rounding" if args.stochastic_rounding else args.optimizer]
+    loss = {"model": model_loss, "chunked": chunked_loss, "fused": fused_loss}[args.loss]  # 05g, 05h
+    stepped_weights = list  # the optimizer steps the trained weights, or stands in for them:
+    if settings.sharded and chosen in SHARDS_STEPPED:  # sharded switches: each process's shards
+        stepped_weights = partial(local_shards, in_backward=args.optimizer_in_backward)
+    if args.optimizer_on_host:  # Adam on the host: host copies of the weights
+        stepped_weights = host_copies
+    reshard = args.reshard_after_forward  # FSDP's default, as 07-09's (null in an unsharded record)
+    if reshard is None and settings.sharded:
+        reshard = True
+    if settings.sharded and args.loss != "model":  # sharded switches: a loss of the blocks and
+        loss = root_loss  # the output layer apart is the root's forward (apply_sharding)
+    return Settings(**{**vars(settings), **dict(
+        dtype=PRECISIONS[args.precision], compile=args.compile or bool(budget),
+        memory_budget=float(budget or 1.0), lora_alpha=args.lora_alpha or 16.0,  # LoRA's default
+        reshard_after_forward=reshard, make_optimizer=chosen.make, schedule=chosen.schedule,
+        gradients_kept=GradientsToHost if args.gradients_to_host else GradientsOnTheDevice,
+        lr=args.lr or chosen.rate(preset_for(args), args), stepped_weights=stepped_weights,
+        loss_of=loss, evaluation_loss=None if args.loss == "model" else loss)})  # evaluation: a model's own
+
+
+def model_loss(model, inputs, labels):  # its own loss: over classes, or next tokens
+    return model(**inputs, labels=labels).loss
+
+
+def adam_rate(preset, args):  # 03's rate; 07a's and 07b's with adapters
+    return preset.qlora_lr if args.qlora else preset.lora_lr if args.lora_rank else preset.lr
+
+
+@dataclass(frozen=True)
+class Choice:
+    """An --optimizer: how it is made over some weights at a rate, its default rate (its
+    script's: adam_rate unless named), and the rate's schedule, where it has one."""
+    make: object  # (weights, lr, fused) -> the optimizer
+    rate: object = adam_rate  # (preset, args) -> the rate
+    schedule: object = None  # (optimizer, steps) -> its schedule
+
+
+OPTIMIZERS = {  # --optimizer, and --stochastic-rounding's Adam: each its script's optimizer
+    "adam": Choice(lambda weights, lr, fused: torch.optim.Adam(weights, lr=lr, fused=fused)),  # 03
+    "stochastic rounding": Choice(lambda weights, lr, fused: AdamStochasticRounding(weights, lr=lr)),
+    "adamw-8bit": Choice(lambda weights, lr, fused: AdamW8bit(weights, lr=lr, weight_decay=0.0)),
+    "adamw-4bit": Choice(lambda weights, lr, fused: AdamW4bit(weights, lr=lr)),  # 05j
+    "adafactor": Choice(lambda weights, lr, fused: torch.optim.Adafactor(weights, lr=lr),
+                        lambda preset, args: 0.01),  # Adafactor: a rate relative to each weight's size
+    "sgd": Choice(lambda weights, lr, fused: torch.optim.SGD(weights, lr=lr),  # 05: plain SGD
+                  lambda preset, args: preset.sgd_lr,
+                  lambda optimizer, steps: torch.optim.lr_scheduler.CosineAnnealingLR(optimizer,
+                                                                                      T_max=steps)),
+}
+# sharded switches: the optimizers with no rule for a sharded weight (a DTensor), which each
+# process steps over its plain shards
+SHARDS_STEPPED = (OPTIMIZERS["adamw-8bit"], OPTIMIZERS["adamw-4bit"], OPTIMIZERS["stochastic rounding"])
+WRAPPED = ("full", "selective", "offloaded")  # the --checkpointing kinds that wrap each block
+
+
+# ==== the techniques, in steps.py's order: each its script's code, under its script's name ======
+
+
+# ---- 04a_optimizer_in_backward.py: optimizer in backward ----------------------------------------
+
+
+def step_in_backward(trained, optimizers, on_host):  # optimizer in backward
+    """A hook on each trained weight that steps its own optimizer once backward has completed
+    its gradient, and frees the gradient (Adam on the host: through the host, 05f's step)."""
+    for param, optimizer in zip(trained, optimizers):
+        param.register_post_accumulate_grad_hook(partial(step_and_free, optimizer=optimizer,
+                                                         on_host=on_host))
+
+
+def step_and_free(param, optimizer, on_host):  # optimizer in backward: this weight now, its gradient freed
+    if on_host:
+        step_on_host(optimizer, [param])  # Adam on the host
+        return
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
 
 
 # ---- 04b_bf16_stochastic_rounding.py: stochastic rounding --------------------------------------
@@ -471,40 +604,23 @@ class AdamStochasticRounding(torch.optim.Optimizer):  # stochastic rounding
                     weight.copy_(stochastic_round(updated))
 
 
-# ---- 05, 05a, 05b, 05j, 04b: the optimizer --optimizer names, at its script's rate -------------
-
-
-def learning_rate(args, preset):
-    """--lr, or the rate of the script whose optimizer (and adapters) the switches choose."""
-    if args.lr:
-        return args.lr
-    if args.optimizer == "sgd":
-        return preset.sgd_lr  # plain SGD
-    if args.optimizer == "adafactor":
-        return 0.01  # Adafactor: relative
-    if args.qlora:
-        return preset.qlora_lr  # QLoRA, LoRA: a lower rate
-    return preset.lora_lr if args.lora_rank else preset.lr  # LoRA: Adam, adapters only
-
-
-def make_optimizer(weights, args, preset):
-    """The optimizer --optimizer (and --stochastic-rounding) names, over `weights`."""
-    lr = learning_rate(args, preset)
-    if args.optimizer == "sgd":
-        return torch.optim.SGD(weights, lr=lr)  # plain SGD
-    if args.optimizer == "adafactor":
-        return torch.optim.Adafactor(weights, lr=lr)  # Adafactor: relative
-    if args.optimizer == "adamw-8bit":
-        return AdamW8bit(weights, lr=lr, weight_decay=0.0)  # 8-bit AdamW
-    if args.optimizer == "adamw-4bit":
-        return AdamW4bit(weights, lr=lr)  # 4-bit AdamW
-    if args.stochastic_rounding:
-        return AdamStochasticRounding(weights, lr=lr)  # stochastic rounding
-    fused = args.optimizer_on_host and args.device.type == "cuda"  # Adam on the host: fused there
-    return torch.optim.Adam(weights, lr=lr, fused=fused or None)
-
 
 # ---- 05c_activation_checkpointing.py: checkpointing on one device ------------------------------
+
+
+def apply_checkpointing(model, settings, device):  # checkpointing on one device: wrap each block in place
+    """Each block wrapped to be recomputed in backward (FSDP then shards the wrappers, 09): from
+    its input alone (05c), keeping the matrix products' outputs (05d), or with its input in host
+    memory (05e, which compiles each block before wrapping it, as the hooks' `with` stops the
+    compiler)."""
+    blocks = transformer_blocks(model)
+    offloaded = settings.checkpointing == "offloaded"
+    offload = OffloadedInputs(device) if offloaded else nullcontext()  # activation offloading
+    selective = settings.checkpointing == "selective"  # selective checkpointing
+    for index, block in enumerate(blocks):
+        if settings.compile and offloaded:  # activation offloading: each block on its own
+            block.compile()
+        blocks[index] = CheckpointedBlock(block, offload, selective)
 
 
 class CheckpointedBlock(BlockWrapper):  # checkpointing on one device
@@ -518,11 +634,11 @@ class CheckpointedBlock(BlockWrapper):  # checkpointing on one device
 
     def forward(self, hidden_states, *args, **kwargs):
         # non-reentrant: the variant PyTorch recommends; it passes keyword arguments through.
-        # FSDP shards this wrapper, so its backward hook gathers the weights before the rerun.
+        # checkpointing: FSDP shards this wrapper, so its backward hook gathers the weights first
         with self.offload:  # activation offloading: checkpoint saves the input under its hooks
             if self.selective:  # selective checkpointing: keep the outputs keep_or_recompute names
                 return checkpoint(self.block, hidden_states, *args, use_reentrant=False,
-                                  context_fn=selective_contexts, **kwargs)  # selective checkpointing
+                                  context_fn=selective_contexts, **kwargs)
             return checkpoint(self.block, hidden_states, *args, use_reentrant=False, **kwargs)
 
 
@@ -588,21 +704,27 @@ class OffloadedInputs(torch.autograd.graph.saved_tensors_hooks):  # activation o
         return host.to(device, non_blocking=True)
 
 
+
 # ---- 05f_adam_on_host.py: Adam on the host -----------------------------------------------------
 
 
+def host_copies(weights):  # Adam on the host: a host copy of each weight, which Adam updates
+    # its state beside it (pinned on a GPU: copies to and fro are queued, not waited for)
+    return [weight.detach().to(HOST, copy=True, non_blocking=True) for weight in weights]
+
+
 def step_on_host(optimizer, weights):  # Adam on the host: gradients out, the step, weights back
-    host_weights = optimizer.param_groups[0]["params"]  # Adam on the host
-    for weight, host_weight in zip(weights, host_weights):  # Adam on the host
-        if weight.grad is not None:  # Adam on the host: the gradient goes out (none: no step), queued
-            host_weight.grad = weight.grad.to(HOST, non_blocking=True)  # Adam on the host: into pinned memory
-        weight.grad = None  # Adam on the host: and is freed on the device
-    if weights[0].is_cuda:  # Adam on the host: one wait, for the copies out: an event after them
+    host_weights = optimizer.param_groups[0]["params"]
+    for weight, host_weight in zip(weights, host_weights):
+        if weight.grad is not None:  # the gradient goes out (none: no step), queued: no wait
+            host_weight.grad = weight.grad.to(HOST, non_blocking=True)  # into pinned memory
+        weight.grad = None  # and is freed on the device
+    if weights[0].is_cuda:  # one wait, for the copies out: an event after them
         torch.cuda.current_stream(weights[0].device).record_event().synchronize()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    for weight, host_weight in zip(weights, host_weights):  # Adam on the host
-        weight.detach().copy_(host_weight, non_blocking=True)  # Adam on the host: the updated weight
+    for weight, host_weight in zip(weights, host_weights):
+        weight.detach().copy_(host_weight, non_blocking=True)  # the updated weight comes back
 
 
 # ---- 05g_chunked_loss.py: chunked loss ---------------------------------------------------------
@@ -628,6 +750,13 @@ def chunked_loss(model, inputs, labels):  # chunked loss
         loss = loss + checkpoint(piece_loss, model.get_output_embeddings(), piece, piece_targets,
                                  use_reentrant=False)
     return loss / (targets != IGNORED).sum()  # the mean over every predicted token
+
+
+def check_loss(model, loss):  # chunked loss, fused loss: the model's loss is what they compute
+    if loss in ("chunked", "fused"):
+        check_plain_output_layer(model.config, "Train it with --loss model")  # chunked loss
+    if loss == "fused":
+        check_output_layer_without_bias(model, "Train it with --loss chunked")  # fused loss
 
 
 # ---- 05h_fused_loss.py: fused loss -------------------------------------------------------------
@@ -747,6 +876,17 @@ class GradientsToHost:  # gradients to host
             self.copy_added(host_weight)
 
 
+class GradientsOnTheDevice:  # gradients to host, not asked for: 05f's copies after backward
+    def __init__(self, weights, host_weights, device):
+        pass
+
+    def add_up(self):
+        pass
+
+    def add_all(self):
+        pass
+
+
 # ---- 05j_adamw_4bit.py: 4-bit AdamW ------------------------------------------------------------
 
 # 4-bit AdamW: the 16 values a code stands for, times its block's scale (the block's largest
@@ -827,7 +967,50 @@ class AdamW4bit(torch.optim.Optimizer):  # 4-bit AdamW
                 state["exp_avg_sq"][codes], state["exp_avg_sq_scales"][scales] = encode(v, unsigned_bounds)
 
 
+
+# ---- 05k_memory_budget.py: memory budget -------------------------------------------------------
+
+
+def apply_compile(model, memory_budget):  # memory budget: compiled, each block on its own
+    """torch.compile on each block on its own (torchtitan's way; before sharding it, so that
+    FSDP's gathers stay outside compiled code), so that each block's backward hands back its
+    gradients as it ends; its partition keeps at most `memory_budget` of what it would (1.0: all)."""
+    torch._functorch.config.activation_memory_budget = memory_budget  # the partitioner's setting
+    for block in transformer_blocks(model):
+        block.compile()  # at the first call: seconds to minutes, then reused by alike blocks
+
+
+# ---- 07_fsdp.py: FSDP (08: offload) --------------------------------------------------------------
+
+
+def apply_sharding(model, settings, preset, device, world_size):  # FSDP
+    """Shard each block (it gathers its weights in turn), then the rest as one more unit, over
+    every process; each process then allocates and fills its shards."""
+    shard_options = dict(mesh=init_device_mesh(device.type, (world_size,)))  # all processes
+    if settings.offload:
+        # offload: shards live in CPU memory between uses (pinned when training on CUDA)
+        shard_options["offload_policy"] = CPUOffloadPolicy(pin_memory=device.type == "cuda")
+    for block in transformer_blocks(model):
+        # true: ZeRO-3, gathered weights freed after forward; false: kept until backward
+        fully_shard(block, **shard_options, reshard_after_forward=settings.reshard_after_forward)
+    fully_shard(model, **shard_options)  # embeddings, final norm and head
+    if settings.loss != "model":  # sharded switches: the loss is the root's forward, so FSDP
+        # gathers the weights outside the blocks before it reads them
+        model.forward = partial({"chunked": chunked_loss, "fused": fused_loss}[settings.loss], model)
+    fill_shards(model, preset, device)  # each process allocates and fills its shards
+
+
+
+
 # ---- 07a_lora.py: LoRA -------------------------------------------------------------------------
+
+
+def apply_adapters(model, settings, preset):  # LoRA
+    """The model frozen, an adapter on each (or each named) linear layer of its blocks."""
+    add_adapters(model, settings.lora_rank, settings.lora_alpha, settings.lora_targets)
+    if preset.model is None:  # a model drawn at random: nothing worth freezing
+        print("note: this model is trained from scratch, so LoRA's frozen weights are random: the "
+              "run shows LoRA's memory, not its accuracy (use --preset tiny-text)", file=sys.stderr)
 
 
 class LoRALinear(torch.nn.Module):  # LoRA
@@ -857,6 +1040,9 @@ def add_adapters(model, rank, alpha, targets=None):  # LoRA
     """Freeze `model`, put an adapter on each linear layer of its blocks (those named in
     `targets`, if given) and train the adapters and a classifier's new head; returns the names."""
     model.requires_grad_(False)
+    found = sorted({name.rpartition(".")[2] for block in transformer_blocks(model)  # the names
+                    for name, module in block.named_modules()  # --lora-targets may take
+                    if isinstance(module, (torch.nn.Linear, Conv1D))})
     adapted = []
     for block in transformer_blocks(model):
         for name, module in list(block.named_modules()):
@@ -871,11 +1057,9 @@ def add_adapters(model, rank, alpha, targets=None):  # LoRA
                                      f"a --lora-rank well below {width}, such as 8")
                 setattr(block.get_submodule(parent), attribute, LoRALinear(module, rank, alpha))
                 adapted.append(attribute)
-    if not adapted and targets:  # say the names there are
-        found = sorted({name.rpartition(".")[2] for block in transformer_blocks(model)
-                        for name, module in block.named_modules()
-                        if isinstance(module, (torch.nn.Linear, Conv1D))})
-        raise SystemExit(f"error: no linear layer in the model's blocks is named {' or '.join(targets)}; "
+    unknown = sorted(set(targets or ()) - set(adapted))  # (a name misspelled among right ones too)
+    if unknown:  # say the names there are
+        raise SystemExit(f"error: no linear layer in the model's blocks is named {' or '.join(unknown)}; "
                          f"theirs are named {' '.join(found)}: --lora-targets takes those")
     if not adapted:
         raise SystemExit("error: the model's blocks have no linear layer for LoRA to "
@@ -885,6 +1069,11 @@ def add_adapters(model, rank, alpha, targets=None):  # LoRA
 
 
 # ---- 07b_qlora.py: QLoRA -----------------------------------------------------------------------
+
+
+def apply_four_bits(model):  # QLoRA: each adapted layer's frozen weight in 4 bits, one at a time
+    for adapter in [module for module in model.modules() if isinstance(module, LoRALinear)]:
+        adapter.base = in_four_bits(adapter.base)
 
 
 def in_four_bits(layer):  # QLoRA
@@ -904,21 +1093,31 @@ def in_four_bits(layer):  # QLoRA
 
 
 def root_loss(model, inputs, labels):  # sharded switches
-    """The chunked or fused loss of a sharded model, which build_model makes its root's forward:
-    FSDP gathers the weights outside the blocks (embeddings, final norm, head) before the loss
-    reads them, and reduce-scatters their gradients after backward, as around any forward."""
+    """The chunked or fused loss of a sharded model, which apply_sharding makes its root's
+    forward: FSDP gathers the weights outside the blocks (embeddings, final norm, head) before
+    the loss reads them, and reduce-scatters their gradients after backward, as around any
+    forward."""
     return model(inputs, labels)
 
 
-def local_shards(weights):  # sharded switches: 8-bit and 4-bit AdamW, stochastic rounding
+def local_shards(weights, in_backward):  # sharded switches: 8-bit and 4-bit AdamW, stochastic rounding
     """This process's shard of each sharded weight (a DTensor), as a plain tensor sharing its
     memory, for an optimizer with no rule for DTensor to step: each works a weight element by
-    element or in blocks of its own, so stepping shards apart steps the whole. A hook moves
-    each gradient shard FSDP hands a weight onto its shard, added up over micro-batches."""
+    element or in blocks of its own, so stepping shards apart steps the whole. FSDP adds up each
+    weight's gradient shards over micro-batches; move_gradients puts them on the plain shards
+    before the step. Stepped in backward, a hook moves each as FSDP hands it over (a hook on a
+    weight turns off FSDP's overlapped copy of its gradient into pinned host memory, --offload:
+    so only there)."""
     shards = [weight.to_local().detach() for weight in weights]  # the same memory
-    for weight, shard in zip(weights, shards):
+    for weight, shard in zip(weights, shards) if in_backward else ():
         weight.register_post_accumulate_grad_hook(partial(move_gradient, shard=shard))
     return shards
+
+
+def move_gradients(weights, shards):  # sharded switches: each gradient shard onto its plain shard
+    for weight, shard in zip(weights, shards):
+        if shard is not weight and weight.grad is not None:  # (a plain weight is its own)
+            move_gradient(weight, shard)
 
 
 def move_gradient(weight, shard):  # sharded switches: the gradient shard onto the plain one

@@ -68,7 +68,7 @@ def rows(presets, steps, budgets):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     parser.add_argument("--presets", nargs="+", default=["tiny", "tiny-text"])
     parser.add_argument("--steps", nargs="*", help="only these (default: every single-device script)")
     parser.add_argument("--budgets", nargs="+", type=float, default=[0.25, 0.5, 0.75])

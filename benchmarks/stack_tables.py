@@ -136,7 +136,7 @@ def article_table():
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__,
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("parts", nargs="*", choices=["chain", "stacks", "article"],
                         default=["chain", "stacks", "article"])

@@ -64,20 +64,6 @@ def fraction(text):
     return value
 
 
-CHECKPOINTING = ("none", "full", "selective", "offloaded")
-
-
-def checkpointing_kind(text):
-    """10's --checkpointing: one of CHECKPOINTING, or budget:F with F from 0 to 1 (05k)."""
-    if text in CHECKPOINTING:
-        return text
-    kind, _, value = text.partition(":")
-    if kind != "budget":
-        raise argparse.ArgumentTypeError(f"expected {', '.join(CHECKPOINTING)} or budget:F (F from "
-                                         f"0 to 1), got {text!r}")
-    return f"budget:{fraction(value)}"
-
-
 def unwritable(directory):
     """Why a file cannot be written in --results-dir `directory` (created if missing), in words
     that say what to do, or None: checked before any training, so that a long run never ends
@@ -194,7 +180,9 @@ def parse_args(description, argv=None, task=None, flags=None):
     optimizer's default from the preset. A script without --accum-steps runs one micro-batch a
     step (`args.accum_steps` is 1); with it, the batch must split into equal micro-batches.
     """
-    parser = argparse.ArgumentParser(description=description,
+    # no abbreviations: --world 2 would be taken for --world-size 2 where a script has it, and
+    # for nothing where another program (the stack's walk) looks for the flag by its name
+    parser = argparse.ArgumentParser(description=description, allow_abbrev=False,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add_shared_flags(parser, SCRIPT_FLAGS, {
         "--preset": (None, "tiny; tiny-text under --task causal-lm, or for a --model of text"),
@@ -249,6 +237,12 @@ def parse_args(description, argv=None, task=None, flags=None):
                      "the presets have their own (add --model NAME_OR_DIR)")
     if args.data == "synthetic":  # no data set read: random samples of its shapes
         preset = replace(preset, dataset=SYNTHETIC)
+    shortest = 3 if args.data == "synthetic" else 2  # (a synthetic text's last token is padding)
+    if args.task == "causal-lm" and preset.max_length < shortest:
+        parser.error(f"--seq-len {preset.max_length}: under --task causal-lm each token predicts the "
+                     f"next, so a text needs at least {shortest} tokens"
+                     + (" (--data synthetic pads its last one)" if args.data == "synthetic" else "")
+                     + f" for a loss: ask for --seq-len {shortest} or more")
     args.preset_settings = preset  # preset_for(args): the preset, resolved once
     args.epochs = args.epochs or preset.epochs
     args.batch_size = args.batch_size or preset.batch_size
@@ -257,9 +251,7 @@ def parse_args(description, argv=None, task=None, flags=None):
     elif args.batch_size % args.accum_steps:
         parser.error(f"--batch-size {args.batch_size} is not divisible by --accum-steps "
                      f"{args.accum_steps}: every micro-batch must have the same size")
-    import common.memory
-    common.memory.SNAPSHOT_FILE = None  # set again below for this run only (runs in one process)
-    if args.memory_snapshot:
+    if args.memory_snapshot:  # the script's MemoryMeter records it
         check_snapshot(parser, args)
     if args.device == "auto":
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -329,9 +321,6 @@ def check_snapshot(parser, args):
     if not args.estimate and (args.device == "cpu" or not torch.cuda.is_available()):
         parser.error("--memory-snapshot records the CUDA allocator, and this run is on the CPU: "
                      "run it on a GPU, or add --estimate for the predicted snapshot")
-    if not args.estimate:
-        import common.memory
-        common.memory.SNAPSHOT_FILE = args.memory_snapshot  # the meter records the tracked steps
 
 
 def model_preset(parser, args, given, only_task=None):

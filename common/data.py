@@ -259,7 +259,11 @@ def to_device(inputs, device, dtype=None):
 
 
 def split_batch(inputs, labels, micro_size):
-    """Equal micro-batches of `micro_size` samples: a list of (inputs, labels)."""
+    """Equal micro-batches of `micro_size` samples: a list of (inputs, labels). One micro-batch is
+    the batch itself, not a view of it: on a CPU, a view made inside a tracked step shows the
+    tracker the loader's tensors, which the whole batch's step (03) never touches."""
+    if micro_size >= len(labels):
+        return [(inputs, labels)]
     parts = {name: tensor.split(micro_size) for name, tensor in inputs.items()}
     return [({name: pieces[index] for name, pieces in parts.items()}, micro_labels)
             for index, micro_labels in enumerate(labels.split(micro_size))]

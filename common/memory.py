@@ -32,7 +32,6 @@ from common.gpu_support import check_bfloat16
 HOST = torch.device("cpu")
 
 TRACKED_STEPS = 2  # optimizer steps taken under the tracker
-SNAPSHOT_FILE = None  # --memory-snapshot: on CUDA, the allocator's history of the tracked steps
 MAX_TRACKED_STEPS = 10  # steps tracked at most, while a gradient scaler skips optimizer steps
 
 # MemTracker's categories, folded into the five this project reports
@@ -186,8 +185,9 @@ class MemoryMeter:
     which neither can watch, from the allocator's own events (common/compiled_memory.py).
     """
 
-    def __init__(self, device, model, optimizer):
+    def __init__(self, device, model, optimizer, snapshot=None):
         self.device, self.model, self.optimizer = device, model, optimizer
+        self.snapshot = snapshot  # --memory-snapshot: on CUDA, the allocator's history of the tracked steps
         self.from_allocations = is_compiled(model)  # neither tracker can watch compiled code
         if self.from_allocations:
             from common.compiled_memory import AllocationTracker  # needed only under --compile
@@ -250,7 +250,7 @@ class MemoryMeter:
             yield
             return
         self.steps_seen += 1
-        if self.steps_seen == 1 and SNAPSHOT_FILE and self.device.type == "cuda":
+        if self.steps_seen == 1 and self.snapshot and self.device.type == "cuda":
             torch.cuda.memory._record_memory_history(stacks="python", max_entries=1_000_000)
         if self.tracker is None:
             self.tracker = self.tracker_factory(self.model, self.optimizer)
@@ -283,8 +283,8 @@ class MemoryMeter:
 
     def write_snapshot(self):
         """--memory-snapshot: the allocator's history since the first tracked step, once."""
-        if SNAPSHOT_FILE and self.device.type == "cuda" and self.steps_seen and not self.snapshot_written:
-            torch.cuda.memory._dump_snapshot(snapshot_file(SNAPSHOT_FILE))
+        if self.snapshot and self.device.type == "cuda" and self.steps_seen and not self.snapshot_written:
+            torch.cuda.memory._dump_snapshot(snapshot_file(self.snapshot))
             torch.cuda.memory._record_memory_history(enabled=None)
             self.snapshot_written = True
 

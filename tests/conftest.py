@@ -124,7 +124,7 @@ QUICK_SUBSET = {
         "tests/estimate/test_stack.py::test_the_cost_model_orders_the_links_within_their_group",),
     "the combined script holds every technique behind a switch": (
         "tests/test_combined.py::test_every_technique_tag_is_in_the_combined_script",
-        "tests/test_combined.py::test_code_under_a_tag_is_its_scripts_code"),
+        "tests/test_combined.py::test_every_definition_of_the_appendix_is_its_scripts_or_says_why"),
     "the calculators people use, beside the estimate": (
         "tests/test_calculators.py::test_accelerate_trains_with_adam_in_4x_the_weights_bytes",),
     "language models: evaluation and the chunked loss": (

@@ -108,8 +108,8 @@ def test_offloading_moves_each_blocks_input_to_the_host_and_frees_the_original(t
     module.OffloadedInputs.to_host, module.OffloadedInputs.to_device = counting_to_host, counting_to_device
 
     class Meter(module.MemoryMeter):
-        def __init__(self, device, model, optimizer):
-            super().__init__(device, model, optimizer)
+        def __init__(self, device, model, optimizer, **options):
+            super().__init__(device, model, optimizer, **options)
             model.register_forward_hook(lambda *_: alive_after_forward.append(
                 sum(original() is not None for original, _, _ in moved[-4:]) if model.training else 0))
 

@@ -80,7 +80,8 @@ def test_a_model_the_scripts_cannot_take_gets_a_message(flags, words, models, tm
                    unknown=write_config(tmp_path / "unknown", model_type="no-such-architecture"),
                    flash=write_config(tmp_path / "flash", model_type="bert",
                                       attn_implementation="flash_attention_2"),
-                   no_pad=write_config(tmp_path / "no-pad", model_type="qwen2", **SMALL))
+                   no_pad=write_config(tmp_path / "no-pad", model_type="qwen2", num_key_value_heads=2,
+                                       **SMALL))
     with pytest.raises(SystemExit) as stopped:  # argparse's exit: the message, no traceback
         load_script("03").main([*[flag.format(**folders) for flag in flags], "--device", "cpu"])
     assert stopped.value.code == 2
@@ -210,7 +211,7 @@ def test_the_at_scale_measurement_runs_commands_the_scripts_take_and_tables_thei
         words = measured.command(setting, step, tmp_path / setting)[2:]
         script = load_script(step)  # its own flags (10: its switches)
         args = parse_args("", [*words, "--device", "cpu"],
-                          flags=getattr(script, "own_flags", getattr(script, "switches", None)))
+                          flags=getattr(script, "own_flags", None))
         assert args.data == "synthetic" and args.max_steps == 2
         if step == "10":  # the stack's answer: switches 10 takes together
             assert script.refusal(args) is None and args.accum_steps > 1

@@ -1,14 +1,14 @@
-"""10_combined.py: each block is its script's code under its script's tag; each script's switch set
-(steps.py) trains as the script does; every pair of switches trains, or stops with one line."""
+"""10_combined.py: each definition of its appendix is its script's, or says why not; each script's
+switch set (steps.py) trains as the script does; every pair of switches trains, or stops with the
+one line its table of refusals gives, naming both."""
 import ast
 import dataclasses
 import gc
-import io
 import itertools
 import math
 import os
+import re
 import sys
-import tokenize
 
 import pytest
 import torch
@@ -20,147 +20,144 @@ import common.presets
 from common.memory import is_compiled
 from common.model import offloads_to_host, transformer_blocks
 from conftest import QUICK, TEXT, assert_follows, load_script, run_script, script_path, unevaluated
-from steps import STEPS
-from support.tags import TAGS, has_tag
+from steps import STEPS, import_script
+from support.tags import TAGS, has_tag, switch_pairs
 
-STEP_OF_TAG = {tag: step for step, tag in TAGS.items()}
 COMBINED = "10"
 CAUSAL_LM = ["--task", "causal-lm"]
+BANNER = re.compile(r"^# ---- (\S+\.py): ")  # an appendix section: "# ---- 05c_...py: tag ---"
+APPENDIX = "# ==== the techniques"  # the appendix's first line
 
-# Code under a tag that is not its script's line for line, and why
-ADAPTED_BLOCKS = {
+# Definitions of the appendix that are not their script's as it is, and why
+ADAPTED = {
+    "step_in_backward": "04a's hooks as a function over each trained weight and its optimizer",
+    "step_and_free": "04a's closure as a function; under --optimizer-on-host it steps through "
+                     "the host (05f's step_on_host)",
+    "apply_checkpointing": "05c's wrapping lines as a function, with 05d's policy and 05e's hooks "
+                           "(and 05e's compile of each block) when their kind is chosen",
     "CheckpointedBlock": "05c's wrapper with 05d's policy and 05e's hooks, each used when its "
-                         "switch is on (the hooks a nullcontext otherwise)",
-    "LoRALinear": "the adapters take the weight's dtype, which --precision chooses, where 07a "
-                  "has its DTYPE",
+                         "--checkpointing kind is chosen (the hooks a nullcontext otherwise)",
+    "host_copies": "05f's host copies of the weights as a function",
+    "step_on_host": "05f's lines of train_step as a function, also called for one weight in backward",
+    "check_loss": "05g's and 05h's checks of the output layer, naming --loss instead of a script",
+    "GradientsOnTheDevice": "not 05i's: what 10 adds up with when --gradients-to-host is off",
+    "apply_compile": "05k's compile lines as a function, its budget 1.0 (the compiler's own) unless "
+                     "--checkpointing budget:F names one",
+    "apply_sharding": "07's sharding lines as a function, with 08's offload policy and the sharded "
+                      "losses' root forward",
+    "apply_adapters": "07a's lines as a function, with its note on a model drawn at random",
+    "LoRALinear": "the adapters take the weight's dtype, which --precision chooses, where 07a has "
+                  "its DTYPE",
     "add_adapters": "its messages say to leave --lora-rank out, not to run 07a's parent script, "
                     "and suggest a rank (10 has no default one)",
+    "apply_four_bits": "07b's loop over the adapted layers as a function",
     "in_four_bits": "the products in the weight's dtype, which --precision chooses, where 07b has "
                     "its DTYPE",
 }
-ADAPTED_LINES = {
-    "inputs, labels = to_device(inputs, device, dtype), labels.to(device, non_blocking=True)":
-        "03's line with the dtype --precision chooses (03: DTYPE)",
-    "micro_inputs = to_device(micro_inputs, device, dtype)": "the same (04)",
-    "score = evaluate(model, data.val, device, dtype,": "04's line with the dtype --precision "
-        "chooses (04: DTYPE)",
-    "test_score = evaluate(model, data.test, device, dtype,": "the same",
-    "pieces=args.accum_steps, loss=evaluation_loss)": "05g's line with the loss --loss chooses "
-        "(05g: chunked_loss)",
-    "evaluation_loss = {\"chunked\": chunked_loss, \"fused\": fused_loss}.get(args.loss)": "05g "
-        "and 05h evaluate with their own loss; 10 with the loss --loss chooses",
-    "def step_on_host(optimizer, weights):": "05f's lines of train_step as a function, also "
-                                             "called for one weight in backward",
-    "sharded = dist.is_initialized()": "07 always shards; 10 under torchrun or with --offload",
-    "for param in trained:": "only the trained weights (LoRA's frozen ones get no gradient)",
-    "return torch.optim.SGD(weights, lr=lr)": "make_optimizer: the optimizer over `weights`",
-    "return torch.optim.Adafactor(weights, lr=lr)": "make_optimizer",
-    "return AdamW8bit(weights, lr=lr, weight_decay=0.0)": "make_optimizer",
-    "return AdamW4bit(weights, lr=lr)": "make_optimizer",
-    "return AdamStochasticRounding(weights, lr=lr)": "make_optimizer",
-    "return preset.sgd_lr": "learning_rate: each script's default rate",
-    "return 0.01": "learning_rate",
-    "return preset.qlora_lr": "learning_rate",
-    "return preset.lora_lr if args.lora_rank else preset.lr": "learning_rate",
-    "schedulers = [torch.optim.lr_scheduler.CosineAnnealingLR(each, T_max=total_steps)":
-        "one schedule per optimizer (several with --optimizer-in-backward)",
-    "scaler = torch.amp.GradScaler(device.type) if args.precision == \"mixed\" else None":
-        "02's scaler, made only for --precision mixed",
-    "with torch.autocast(device_type=device.type, dtype=torch.float16,": "02's autocast, "
-        "enabled only for --precision mixed",
-    "scale(loss).backward()": "02's scaler.scale(loss).backward(), or a plain backward",
-    "scale = (lambda loss: loss) if scaler is None else scaler.scale": "the same",
-    "step_on_host(optimizer, trained)": "05f's step, as a function for --optimizer-in-backward too",
-    "step_on_host(optimizers[param], [param])": "the same, one weight at a time",
-    "for weight, host_weight in zip(weights, host_weights):": "05f's loop over the weights given",
-    "if weights[0].is_cuda:": "05f's wait, on the weights' device (05f: its `device`)",
-    "fused = args.optimizer_on_host and args.device.type == \"cuda\"": "make_optimizer: "
-        "05f's fused Adam on a GPU's host, whatever --optimizer-on-host's parent step",
-    "if args.compile and args.checkpointing == \"offloaded\":": "05e's compile of each block, "
-        "only when its hooks are on",
-    "if args.compile and args.checkpointing != \"offloaded\":": "07's compile of each block "
-        "before sharding, unless 05e compiled it already",
-    "blocks[index] = CheckpointedBlock(block, offload, selective)": "the wrapper of every kind",
-    "def __init__(self, block, offload, selective):": "CheckpointedBlock (above)",
-    "self.selective = selective": "CheckpointedBlock (above)",
-    "if self.selective:": "CheckpointedBlock (above)",
-    "selective = args.checkpointing == \"selective\"": "05d's checkpointing, when chosen",
-    "dtype = base.weight.dtype": "LoRALinear (above)",
-    "if args.lora_rank and preset.model is None:": "07a's note, when adapters are on",
-    "elif optimizer is not None:": "the same",
-    "model = create_model(preset, dtype=dtype)": "06's creation in the dtype --precision names",
-    "return chunked_loss(model, inputs, labels)": "05g's loss of one micro-batch",
-    "check_plain_output_layer(model.config, \"Train it with --loss model\")":
-        "05g's refusal, naming --loss model instead of 04",
-    "return fused_loss(model, inputs, labels)": "05h's loss of one micro-batch",
-    "if args.checkpointing.startswith(\"budget:\"):": "05k's budget, when --checkpointing names one",
-    "args.compile = True": "05k always compiles; 10 when --checkpointing budget:F is chosen",
-    "budget = args.checkpointing.startswith(\"budget:\")": "refusal: the budget refused where "
-        "--compile is, as only compiled code heeds it",
-    "check_output_layer_without_bias(model, \"Train it with --loss chunked\")":
-        "05h's refusal, naming --loss chunked instead of 05g",
-}
 
 
-def tagged_lines(source):
-    """[(line number, code without its comment, comment)] for every line with a comment."""
-    lines = source.splitlines()
-    found = []
-    for token in tokenize.generate_tokens(io.StringIO(source).readline):
-        if token.type == tokenize.COMMENT:
-            row, column = token.start
-            found.append((row, lines[row - 1][:column].strip(), token.string.lstrip("#").strip()))
+def top_level(path):
+    """{name: node} of the module's functions, classes and assignments to one name."""
+    found = {}
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+            found[node.name] = node
+        elif isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Name):
+            found[node.targets[0].id] = node
     return found
 
 
-def code_of(path):
-    """Every line of a script without its comment, stripped."""
-    return {line.split("  #")[0].strip() for line in path.read_text().splitlines()}
+def appendix(path):
+    """[(name, the script its section's banner names, or None for 10's own, node)] of each
+    definition after the appendix's first line, in order."""
+    lines = path.read_text().splitlines()
+    start = next(number for number, line in enumerate(lines, 1) if line.startswith(APPENDIX))
+    banners = [(number, (match[1] if (match := BANNER.match(line)) else None))
+               for number, line in enumerate(lines, 1) if line.startswith("# ---- ")]
+    found = []
+    for name, node in top_level(path).items():
+        if node.lineno > start:
+            script = [script for number, script in banners if number < node.lineno][-1]
+            found.append((name, script, node))
+    return found
 
 
-def definitions(path):
-    return {node.name: node for node in ast.parse(path.read_text()).body
-            if isinstance(node, (ast.FunctionDef, ast.ClassDef))}
+def unlike_its_script(path, adapted=ADAPTED):
+    """[(name, script, why)] of the appendix's definitions that are not their script's (another
+    body, or none of that name there) and not listed in `adapted`."""
+    differ = []
+    for name, script, node in appendix(path):
+        if script is None:
+            continue  # 10's own section: what sharding needs of the other switches
+        theirs = top_level(script_path(script.split("_")[0])).get(name)
+        if theirs is not None and ast.dump(theirs) == ast.dump(node):
+            continue
+        if name not in adapted:
+            differ.append((name, script, "not in it" if theirs is None else "differs"))
+    return differ
+
+
+def test_every_definition_of_the_appendix_is_its_scripts_or_says_why():
+    assert unlike_its_script(script_path(COMBINED)) == []
+
+
+def test_every_listed_adaptation_is_needed():
+    assert {name for name, _, _ in unlike_its_script(script_path(COMBINED), {})} == set(ADAPTED)
+
+
+def test_the_definition_check_finds_a_changed_definition(tmp_path):
+    changed = tmp_path / "10_changed.py"
+    changed.write_text(script_path(COMBINED).read_text()
+                       .replace("(bits + noise) & -(1 << 16)", "(bits + noise) & -(1 << 15)")
+                       .replace("LOSS_CHUNKS = 8", "LOSS_CHUNKS = 4"))
+    assert unlike_its_script(changed) == [
+        ("stochastic_round", "04b_bf16_stochastic_rounding.py", "differs"),
+        ("LOSS_CHUNKS", "05g_chunked_loss.py", "differs")]
+
+
+def test_the_appendix_follows_steps_order_under_each_scripts_banner():
+    order = [step.name for step in STEPS.values()]
+    named = [script.removesuffix(".py") for _, script, _ in appendix(script_path(COMBINED)) if script]
+    assert named == sorted(named, key=order.index)
+    assert all(name in order for name in named)
 
 
 def test_every_technique_tag_is_in_the_combined_script():
-    comments = [comment for _, _, comment in tagged_lines(script_path(COMBINED).read_text())]
+    text = script_path(COMBINED).read_text()
+    comments = [line.split("#", 1)[1] for line in text.splitlines() if "#" in line]
     missing = [tag for tag in TAGS.values() if not any(has_tag(comment, tag) for comment in comments)]
     assert missing == []
 
 
-def foreign_code(combined, adapted_lines=ADAPTED_LINES, adapted_blocks=ADAPTED_BLOCKS):
-    """[(line, tag, code)] under a tag in `combined` that is not the code of the tag's script:
-    a tagged line must be a line of that script, a tagged function or class that script's (or
-    `adapted_lines` and `adapted_blocks` say why not)."""
-    ours = definitions(combined)
-    foreign = []
-    for number, code, comment in tagged_lines(combined.read_text()):
-        for tag in [tag for tag in STEP_OF_TAG if has_tag(comment, tag)] if code else []:
-            source = script_path(STEP_OF_TAG[tag])
-            name = code.split()[1].split("(")[0].rstrip(":") if code.startswith(("def ", "class ")) else None
-            if name in ours and name in definitions(source):
-                if ast.dump(ours[name]) != ast.dump(definitions(source)[name]) and name not in adapted_blocks:
-                    foreign.append((number, tag, f"{name} differs from {source.name}'s"))
-            elif code not in code_of(source) and code not in adapted_lines:
-                foreign.append((number, tag, code))
-    return foreign
+# ---- the switch table ----------------------------------------------------------------------
+
+def combined():
+    return import_script(script_path(COMBINED), prefix="table")
 
 
-def test_code_under_a_tag_is_its_scripts_code():
-    assert foreign_code(script_path(COMBINED)) == []
+def test_each_switch_of_a_scripts_set_comes_from_that_script_in_the_table():
+    """For each script, the switches its set (steps.py) adds to its parent's name it (or the
+    script whose technique it carries, for 09's full checkpointing under sharding) in 10's table;
+    and each step the table names trains with that switch."""
+    table = {switch.flag: switch for switch in combined().SWITCHES}
 
+    def pairs(step):
+        return set(switch_pairs(step.switches))
 
-def test_the_tag_check_finds_a_changed_line_and_a_changed_function(tmp_path):
-    changed = tmp_path / "10_changed.py"
-    changed.write_text(script_path(COMBINED).read_text()
-                       .replace("torch.optim.SGD(weights, lr=lr)  # plain SGD",
-                                "torch.optim.SGD(weights, lr=lr, momentum=0.9)  # plain SGD")
-                       .replace("(bits + noise) & -(1 << 16)", "(bits + noise) & -(1 << 15)"))
-    found = {(tag, code) for _, tag, code in foreign_code(changed)}
-    assert found == {("plain SGD", "return torch.optim.SGD(weights, lr=lr, momentum=0.9)"),
-                     ("stochastic rounding",
-                      "stochastic_round differs from 04b_bf16_stochastic_rounding.py's")}
+    disagreements = []
+    for step in STEPS.values():
+        parent = STEPS.get(step.parent)
+        if parent is None or step.combined:
+            continue
+        for flag, value in pairs(step) - pairs(parent):
+            steps = table[flag].steps
+            key = "budget:F" if str(value).startswith("budget:") else value
+            named = steps.get(key, steps.get("N"))
+            if step.id not in (named if isinstance(named, tuple) else (named,)):
+                disagreements.append(f"{step.name} adds {flag} {value}, which 10's table gives to {named}")
+    named_steps = {step for switch in table.values() for steps in switch.steps.values()
+                   for step in (steps if isinstance(steps, tuple) else (steps,))}
+    assert disagreements == [] and named_steps <= set(STEPS)
 
 
 # ---- equal to the scripts ------------------------------------------------------------------
@@ -257,55 +254,54 @@ def test_each_scripts_switches_train_as_the_script(name, tmp_path, small_snippet
 
 # ---- every pair trains or is refused -------------------------------------------------------
 
-# each switch (a name and its flags) in groups: two switches of one group are one switch's values
-GROUPS = [
-    {"fp32": ["--precision", "fp32"], "mixed": ["--precision", "mixed"]},
-    {"stochastic-rounding": ["--stochastic-rounding"]},
-    {"accum": ["--accum-steps", "2"]},
-    {"adamw-8bit": ["--optimizer", "adamw-8bit"], "adamw-4bit": ["--optimizer", "adamw-4bit"],
-     "adafactor": ["--optimizer", "adafactor"], "sgd": ["--optimizer", "sgd"]},
-    {"on-host": ["--optimizer-on-host"],
-     "to-host": ["--optimizer-on-host", "--gradients-to-host"]},
-    {"in-backward": ["--optimizer-in-backward"]},
-    {"full": ["--checkpointing", "full"], "selective": ["--checkpointing", "selective"],
-     "offloaded": ["--checkpointing", "offloaded"]},
-    {"chunked": ["--loss", "chunked"], "fused": ["--loss", "fused"]},
-    {"lora": ["--lora-rank", "4"], "qlora": ["--lora-rank", "4", "--qlora"]},
-    {"offload": ["--offload"]},
-    {"reshard": ["--reshard-after-forward", "false"]},
-]
+def switch_cases():
+    """Each switch of 10's table as the tests try it, in groups (the values of one switch), by
+    name: each value but the default, a flag alone, a number at its `tried` value; what a switch
+    needs to mean anything (refused "without" it) added, as --gradients-to-host needs
+    --optimizer-on-host. --world-size (the estimate's), --lora-alpha and --lora-targets (which
+    shape the adapters --lora-rank makes) and budget:F (compiled: a few runs only) aside."""
+    module = combined()
+    groups = []
+    for switch in module.SWITCHES:
+        if switch.flag in ("--world-size", "--lora-alpha", "--lora-targets"):
+            continue
+        name = switch.flag[2:]
+        options = switch.options
+        if "choices" in options:
+            cases = {str(value): [switch.flag, str(value)] for value in options["choices"]
+                     if value != options.get("default")}
+        elif switch.flag == "--checkpointing":
+            cases = {kind: [switch.flag, kind] for kind in ("full", "selective", "offloaded")}
+        elif switch.tried:
+            cases = {name: [switch.flag, *switch.tried]}
+        else:
+            cases = {name: [switch.flag]}
+        groups.append(cases)
+    return groups
+
+
+GROUPS = switch_cases()
 SWITCHES = {name: flags for group in GROUPS for name, flags in group.items()}
+NEEDS = {"gradients-to-host": SWITCHES["optimizer-on-host"], "qlora": SWITCHES["lora-rank"]}
+for name, needed in NEEDS.items():
+    SWITCHES[name] = [*needed, *SWITCHES[name]]
 PAIRS = [(first, second) for one, other in itertools.combinations(GROUPS, 2)
          for first in one for second in other]
-TEXT_SWITCHES = {"chunked", "fused", "lora", "qlora"}  # on a decoder, tiny-text under --task causal-lm
-# what each refused pair says: the words after "error: " name both switches
-REFUSED = {
-    frozenset({"in-backward", "accum"}): "--optimizer-in-backward with --accum-steps",
-    frozenset({"in-backward", "mixed"}): "--optimizer-in-backward with --precision mixed",
-    frozenset({"stochastic-rounding", "fp32"}): "--stochastic-rounding with --precision fp32",
-    frozenset({"stochastic-rounding", "mixed"}): "--stochastic-rounding with --precision mixed",
-    frozenset({"stochastic-rounding", "adamw-8bit"}):
-        "--stochastic-rounding with --optimizer adamw-8bit",
-    frozenset({"stochastic-rounding", "adamw-4bit"}):
-        "--stochastic-rounding with --optimizer adamw-4bit",
-    frozenset({"stochastic-rounding", "adafactor"}): "--stochastic-rounding with --optimizer adafactor",
-    frozenset({"stochastic-rounding", "sgd"}): "--stochastic-rounding with --optimizer sgd",
-    frozenset({"on-host", "offload"}): "--optimizer-on-host with --offload",
-    frozenset({"to-host", "offload"}): "--optimizer-on-host with --offload",
-    frozenset({"to-host", "in-backward"}): "--gradients-to-host with --optimizer-in-backward",
-    frozenset({"to-host", "mixed"}): "--optimizer-on-host with --precision mixed",
-    frozenset({"adafactor", "offload"}): "--optimizer adafactor with --offload",
-    frozenset({"on-host", "mixed"}): "--optimizer-on-host with --precision mixed",
-    frozenset({"fused", "mixed"}): "--loss fused with --precision mixed",
-    frozenset({"lora", "offload"}): "--lora-rank with --offload",
-    frozenset({"qlora", "offload"}): "--lora-rank with --offload",
-    frozenset({"mixed", "offload"}): "--precision mixed with --offload",
-    frozenset({"qlora", "mixed"}): "--qlora with --precision mixed",
-}
-# --reshard-after-forward says how FSDP shards: with anything but --offload, sharding is off
-REFUSED.update({frozenset({"reshard", name}): "--reshard-after-forward without sharding"
-                for name in SWITCHES if name not in ("reshard", "offload")})
+TEXT_SWITCHES = {"chunked", "fused", "lora-rank", "qlora"}  # on a decoder: tiny-text, causal-lm
 LR = ["--lr", "0.05"]  # updates large enough to show in every bfloat16 weight after two steps
+
+
+def test_what_a_switch_needs_is_what_the_table_refuses_it_without(monkeypatch):
+    """NEEDS above is the table's: each switch alone is refused without it, and trains with it."""
+    module = combined()
+    alone = {name: SWITCHES[name][len(needed):] for name, needed in NEEDS.items()}
+    for name, flags in alone.items():
+        args = module.parse_args("", [*flags], flags=module.own_flags)
+        assert (module.refusal(args) or "").split(":")[0] == f"{flags[0]} without {NEEDS[name][0]}"
+    without = [name for name, flags in SWITCHES.items() if name not in NEEDS and (module.refusal(
+        module.parse_args("", flags, flags=module.own_flags)) or "").split(":")[0].startswith(
+        f"{flags[0]} without --")]
+    assert without == []
 
 
 class Took:
@@ -313,12 +309,13 @@ class Took:
 
     def __init__(self, module, monkeypatch):
         self.module, self.meter, self.initial, self.calls = module, None, None, {}
-        self.scalers, self.reshard, self.stepped, self.below_rounding = 0, [], {}, {}
+        self.scalers, self.reshard, self.stepped, self.below_rounding = [], [], {}, {}
+        self.micro_batches = []
         took = self
 
         class Meter(module.MemoryMeter):
-            def __init__(self, device, model, optimizer):
-                super().__init__(device, model, optimizer)
+            def __init__(self, device, model, optimizer, **options):
+                super().__init__(device, model, optimizer, **options)
                 took.meter = self
                 took.initial = [local(param).clone() for param in model.parameters()
                                 if param.requires_grad]
@@ -329,8 +326,11 @@ class Took:
 
         module.MemoryMeter = Meter
         module.evaluate = lambda *args, **kwargs: float("nan")
-        for name in ("chunked_loss", "fused_loss", "split_batch", "step_on_host", "GradientsToHost"):
+        for name in ("chunked_loss", "fused_loss", "step_on_host", "GradientsToHost"):
             monkeypatch.setattr(module, name, self.counting(name, getattr(module, name)))
+        split = module.split_batch
+        monkeypatch.setattr(module, "split_batch", lambda *args: (
+            lambda parts: (self.micro_batches.append(len(parts)), parts)[1])(split(*args)))
         shard = module.fully_shard
         monkeypatch.setattr(module, "fully_shard", lambda *args, **kwargs: (
             self.reshard.append(kwargs.get("reshard_after_forward", True)), shard(*args, **kwargs))[1])
@@ -339,7 +339,7 @@ class Took:
         class Scaler(scaler):
             def __init__(self, *args, **kwargs):
                 super().__init__(*args, **kwargs)
-                took.scalers += 1
+                took.scalers.append(self.is_enabled())
 
         monkeypatch.setattr(torch.amp, "GradScaler", Scaler)
 
@@ -390,32 +390,47 @@ def took_effect(name, module, took, record):
     dtype = weights[0].dtype
     blocks = transformer_blocks(model)
     return {
-        "fp32": lambda: dtype == torch.float32 and took.scalers == 0,
-        "mixed": lambda: dtype == torch.float32 and took.scalers == 1,
+        "fp32": lambda: dtype == torch.float32 and not any(took.scalers),
+        "mixed": lambda: dtype == torch.float32 and took.scalers == [True],
         "stochastic-rounding": lambda: isinstance(first, module.AdamStochasticRounding),
-        "accum": lambda: record["accum_steps"] == 2 and took.calls.get("split_batch", 0) >= 2,
+        "accum-steps": lambda: record["accum_steps"] == 2 and took.micro_batches == [2, 2],
         "adamw-8bit": lambda: type(first).__name__ == "AdamW8bit",
         "adamw-4bit": lambda: isinstance(first, module.AdamW4bit),
         "adafactor": lambda: isinstance(first, torch.optim.Adafactor),
         "sgd": lambda: isinstance(first, torch.optim.SGD),
-        "on-host": lambda: took.calls.get("step_on_host", 0) >= 2 and not any(
+        "optimizer-on-host": lambda: took.calls.get("step_on_host", 0) >= 2 and not any(
             param is weight for param in first.param_groups[0]["params"] for weight in weights),
-        "to-host": lambda: took.calls.get("GradientsToHost", 0) == 1 and took.calls.get(
+        "gradients-to-host": lambda: took.calls.get("GradientsToHost", 0) == 1 and took.calls.get(
             "step_on_host", 0) >= 2 and all(weight.grad is None for weight in weights),
-        "in-backward": lambda: isinstance(optimizer, list) and len(optimizer) == len(weights),
+        "optimizer-in-backward": lambda: len(optimizer) == len(weights) > 1,
         "full": lambda: all(isinstance(block, module.CheckpointedBlock) for block in blocks),
         "selective": lambda: all(block.selective for block in blocks),
         "offloaded": lambda: all(isinstance(block.offload, module.OffloadedInputs) for block in blocks),
         "chunked": lambda: took.calls.get("chunked_loss", 0) >= 2,
         "fused": lambda: took.calls.get("fused_loss", 0) >= 2,
-        "lora": lambda: any(isinstance(layer, module.LoRALinear) for layer in model.modules()),
+        "lora-rank": lambda: any(isinstance(layer, module.LoRALinear) for layer in model.modules()),
         "qlora": lambda: any(type(layer.base).__name__ == "Linear4bit" for layer in model.modules()
                      if isinstance(layer, module.LoRALinear)),
         "offload": lambda: offloads_to_host(model),
-        "reshard": lambda: took.reshard and not any(took.reshard[:-1]),  # the blocks': the root's is kept
+        # the blocks' kept gathered; the root's is FSDP's default
+        "reshard-after-forward": lambda: took.reshard and not any(took.reshard[:-1]),
         "compile": lambda: is_compiled(model),
         "budget": lambda: all(block._compiled_call_impl is not None for block in blocks),
     }[name]()
+
+
+def command_of(names, extra=()):
+    text = any(name in TEXT_SWITCHES for name in names)
+    return [*QUICK, *LR, "--batch-size", "4", *(TEXT if text else []), *(CAUSAL_LM if text else []),
+            *extra, *(flag for name in names for flag in SWITCHES[name])]
+
+
+def table_refusal(names, monkeypatch):
+    """What 10's table of refusals says of these switches, as the run would see them, or None."""
+    module = combined()
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    return module.refusal(module.parse_args(module.__doc__, command_of(names),
+                                            flags=module.own_flags))
 
 
 def run_switches(names, tmp_path, monkeypatch, extra=()):
@@ -425,9 +440,7 @@ def run_switches(names, tmp_path, monkeypatch, extra=()):
     module = load_script(COMBINED)
     monkeypatch.setitem(sys.modules, module.__name__, module)  # (the compiler imports its classes)
     took = Took(module, monkeypatch)
-    text = any(name in TEXT_SWITCHES for name in names)
-    flags = [*QUICK, *LR, "--batch-size", "4", *(TEXT if text else []), *(CAUSAL_LM if text else []),
-             *extra, *(flag for name in names for flag in SWITCHES[name])]
+    flags = command_of(names, extra)
     try:
         record, _ = run_script(COMBINED, flags, tmp_path, module)
     except SystemExit as stop:
@@ -451,7 +464,7 @@ def assert_trains(names, result):
                  if torch.equal(before, after)]
     if "sgd" in names:
         unchanged = [index for index in unchanged if not took.steps_rounded_away()[index]]
-    adapters = {"lora", "qlora"} & set(names)
+    adapters = {"lora-rank", "qlora"} & set(names)
     if trained[0].dtype == torch.bfloat16 and "adafactor" in names and adapters:
         named = [name for name, param in took.meter.model.named_parameters() if param.requires_grad]
         unchanged = [index for index in unchanged if not named[index].endswith("down.weight")]
@@ -464,10 +477,15 @@ def assert_trains(names, result):
 def test_every_pair_of_switches_trains_or_is_refused_in_one_line(first, second, tmp_path,
                                                                   monkeypatch, small_snippets):
     result = run_switches([first, second], tmp_path, monkeypatch)
-    refused = REFUSED.get(frozenset({first, second}))
-    if refused:
-        assert isinstance(result, str) and "\n" not in result, (first, second, result)
-        assert result.startswith(f"error: {refused}:"), result
+    expected = table_refusal([first, second], monkeypatch)
+    if expected:  # stopped before training, in the table's one line, which names both (or the
+        # one that is refused alone: --reshard-after-forward without sharding)
+        assert result == f"error: {expected}", (first, second, result)
+        assert "\n" not in result
+        named = [name for name in (first, second) if table_refusal([name], monkeypatch) == expected]
+        assert all(any(flag in result.removeprefix("error: ").split(":")[0] for flag in SWITCHES[name]
+                       if flag.startswith("--"))
+                   for name in named or (first, second)), result
     else:
         assert_trains((first, second), result)
 
@@ -476,15 +494,16 @@ SWITCHES["compile"] = ["--compile"]  # in a few runs only: compiling takes secon
 STACKS = [
     ("compile", "offloaded"), ("compile", "offload"),
     ("budget", "offload"),  # each block compiled before it is sharded, under the budget
-    ("accum", "adamw-8bit", "selective"),
-    ("chunked", "in-backward", "full"),
-    ("sgd", "offload", "full", "reshard"),  # 09 at ZeRO-2's memory
-    ("qlora", "chunked", "offloaded", "accum", "on-host"),
-    ("lora", "fused", "to-host", "accum", "selective"),  # a frozen output layer: no gradient made
-    ("adamw-4bit", "to-host", "accum", "offloaded"),  # 4-bit states in host memory
+    ("accum-steps", "adamw-8bit", "selective"),
+    ("chunked", "optimizer-in-backward", "full"),
+    ("sgd", "offload", "full", "reshard-after-forward"),  # 09 at ZeRO-2's memory
+    ("qlora", "chunked", "offloaded", "accum-steps", "optimizer-on-host"),
+    # a frozen output layer: no gradient made
+    ("lora-rank", "fused", "gradients-to-host", "accum-steps", "selective"),
+    ("adamw-4bit", "gradients-to-host", "accum-steps", "offloaded"),  # 4-bit states in host memory
     # the whole stack in one process: each weight's 8-bit AdamW step on the host during
     # backward, activations recomputed from inputs in host memory, the loss fused
-    ("fused", "offloaded", "adamw-8bit", "in-backward", "on-host"),
+    ("fused", "offloaded", "adamw-8bit", "optimizer-in-backward", "optimizer-on-host"),
 ]
 
 
@@ -524,13 +543,6 @@ def test_the_estimate_on_the_cpu_is_the_runs_peak(flags, tmp_path, small_snippet
     assert predicted["parameter_count"] == real["parameter_count"]
 
 
-def test_every_listed_adaptation_is_needed():
-    """Each line and block listed is code under a tag that differs from its script's."""
-    foreign = {code for _, _, code in foreign_code(script_path(COMBINED), {}, {})}
-    assert set(ADAPTED_LINES) <= foreign
-    assert {f"{name} differs" for name in ADAPTED_BLOCKS} <= {code.split(" from ")[0] for code in foreign}
-
-
 def test_a_stray_world_size_is_refused_and_the_estimate_shards_over_world_size(monkeypatch, tmp_path):
     """WORLD_SIZE=2 left in the environment without a launcher (no RANK) would train one process
     as a group of one: refused with what to do; WORLD_SIZE=1 alone still asks for a group of one.
@@ -541,9 +553,39 @@ def test_a_stray_world_size_is_refused_and_the_estimate_shards_over_world_size(m
     with pytest.raises(SystemExit, match="WORLD_SIZE=2 is set, but no launcher started this process"):
         combined.main([*QUICK, "--results-dir", str(tmp_path)])
     monkeypatch.setenv("WORLD_SIZE", "1")
-    assert combined.launched_sharded(combined.parse_args("", QUICK, flags=combined.switches))
+    assert combined.launched_sharded(combined.parse_args("", QUICK, flags=combined.own_flags))
     monkeypatch.delenv("WORLD_SIZE")
     from estimate.predict import predict
     record = predict(script_path(COMBINED), ["--accum-steps", "2", "--optimizer", "sgd"], world_size=2)
     assert record["world_size"] == 2 and record["reshard_after_forward"] is True
     assert "WORLD_SIZE" not in os.environ  # as it was
+
+
+def recipe_of(path):
+    """(lines, if statements and conditional expressions (comprehension filters too)) of the
+    recipe: from `def main` to the banner of the switches."""
+    source = path.read_text()
+    lines = source.splitlines()
+    start = next(number for number, line in enumerate(lines, 1) if line.startswith("def main("))
+    end = next(number for number, line in enumerate(lines, 1) if line.startswith("# ==== the switches"))
+    nodes = [node for node in ast.walk(ast.parse(source))
+             if start <= getattr(node, "lineno", 0) < end]
+    branches = sum(isinstance(node, (ast.If, ast.IfExp)) for node in nodes)
+    branches += sum(len(each.ifs) for node in nodes if isinstance(node, ast.ListComp)
+                    for each in node.generators)
+    return end - start, branches
+
+
+def test_the_recipe_is_150_lines_with_15_branches_at_most():
+    """The recipe reads top to bottom: the choices are made once (resolved(), the tables), so that
+    the model's building, the optimizer and the loop test few switches."""
+    lines, branches = recipe_of(script_path(COMBINED))
+    assert lines <= 150 and branches <= 15, (lines, branches)
+
+
+def test_the_recipes_count_sees_a_branch_added(tmp_path):
+    changed = tmp_path / "10_changed.py"
+    changed.write_text(script_path(COMBINED).read_text().replace(
+        "    torch.manual_seed(settings.seed)\n",
+        "    torch.manual_seed(settings.seed)\n    if settings.seed:\n        pass\n"))
+    assert recipe_of(changed)[1] == recipe_of(script_path(COMBINED))[1] + 1

@@ -70,8 +70,8 @@ class AlsoCountingAllocations:
         meter_class = script.MemoryMeter
 
         class Meter(meter_class):
-            def __init__(self, device, model, optimizer):
-                super().__init__(device, model, optimizer)
+            def __init__(self, device, model, optimizer, **options):
+                super().__init__(device, model, optimizer, **options)
                 self.allocations = AllocationTracker(model, optimizer)
 
             @contextmanager

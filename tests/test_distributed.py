@@ -30,6 +30,7 @@ from common.model import create_model, transformer_blocks
 from common.presets import PRESETS
 from conftest import (
     PROBED_TEST_TIMEOUT,
+    QUICK,
     ROOT,
     SHARDED_RUN,
     TEXT,
@@ -148,6 +149,18 @@ def evaluate_in_group(rank, init_file, out_dir):
     (out_dir / f"rank{rank}.json").write_text(json.dumps([accuracy, accuracy.samples]))
 
 
+def test_accuracy_is_the_share_of_samples_whose_highest_logit_is_their_label():
+    """torchmetrics' micro-averaged count, over batches of classes seen unevenly (a macro average,
+    torchmetrics' default, would weigh each class's accuracy alike instead: 0.5 here)."""
+    generator = torch.Generator().manual_seed(0)
+    batches = [({"logits": torch.randn(size, 3, generator=generator)},
+                torch.randint(0, 3, (size,), generator=generator)) for size in (5, 7, 4)]
+    correct = sum(int((inputs["logits"].argmax(-1) == labels).sum()) for inputs, labels in batches)
+    batches += batches_of([0, 0, 0, 0, 1], [0, 0, 0, 0, 0])  # class 0: 4 of 5 right
+    found = evaluate(GivenLogits(), batches, torch.device("cpu"))
+    assert (found, found.samples) == ((correct + 4) / 21, 21)
+
+
 @pytest.mark.timeout(120)
 def test_accuracy_counts_every_sample_of_processes_that_saw_different_numbers(tmp_path):
     alone = evaluate(GivenLogits(), [pair for share in UNEVEN_SHARES for pair in share],
@@ -172,8 +185,8 @@ def watching_model_and_group(name):
     script, alive = load_script(name), []
 
     class WatchingMeter(script.MemoryMeter):
-        def __init__(self, device, model, optimizer):
-            super().__init__(device, model, optimizer)
+        def __init__(self, device, model, optimizer, **options):
+            super().__init__(device, model, optimizer, **options)
             alive.extend([weakref.ref(model), weakref.ref(torch.distributed.group.WORLD)])
 
     script.MemoryMeter = WatchingMeter
@@ -427,6 +440,8 @@ def test_the_group_waits_long_enough_for_process_0_to_load_the_weights(monkeypat
     asked = {}
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "29500")
     monkeypatch.setattr(dist, "init_process_group", lambda *args, **kwargs: asked.update(kwargs))
     monkeypatch.setattr(dist, "get_rank", lambda: 0)
     monkeypatch.setattr(dist, "get_world_size", lambda: 1)
@@ -575,3 +590,24 @@ def test_no_optimizer_is_handed_an_empty_shard_with_a_gradient(name, sharded_run
     empty, with_gradient = (sum(counts[i] for rank in steps for counts in rank) for i in (0, 1))
     assert empty > 0, "no process held an empty shard: the case tests nothing"
     assert with_gradient == 0, steps
+
+
+@pytest.mark.parametrize("in_backward", [False, True], ids=["after backward", "in backward"])
+def test_a_hook_moves_gradient_shards_only_for_a_step_in_backward(in_backward, tmp_path):
+    """A post-accumulate-grad hook on a sharded weight turns off FSDP's overlapped copy of its
+    gradient into pinned host memory (--offload on a GPU: every gradient then copied with a
+    blocking .to("cpu")). 10 stepping plain shards (8-bit AdamW here) moves them before its
+    step; only a step in backward needs the hook, which is where it hands each one over."""
+    script, hooked = load_script("10"), []
+
+    class Watching(script.MemoryMeter):
+        def __init__(self, device, model, optimizer, **options):
+            super().__init__(device, model, optimizer, **options)
+            hooked.extend(bool(param._post_accumulate_grad_hooks) for param in model.parameters())
+
+    script.MemoryMeter = Watching
+    record = script.main([*QUICK, "--offload", "--optimizer", "adamw-8bit", "--batch-size", "4",
+                          *(["--optimizer-in-backward"] if in_backward else ["--accum-steps", "2"]),
+                          "--results-dir", str(tmp_path)])
+    assert record["steps"] == 2 and all(math.isfinite(loss) for loss in record["losses"])
+    assert hooked and set(hooked) == {in_backward}

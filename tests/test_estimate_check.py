@@ -105,8 +105,8 @@ def test_the_combined_scripts_memory_budget_is_refused_beside_the_check(monkeypa
     monkeypatch.setattr(common.cli, "check_estimate_flag", lambda parser, args: None)
     combined = load_script("10")
     args = combined.parse_args("", ["--check-estimate", "--checkpointing", "budget:0.5"],
-                               flags=combined.switches)
+                               flags=combined.own_flags)
     assert "--check-estimate with --checkpointing budget:F" in combined.refusal(args)
     args = combined.parse_args("", ["--check-estimate", "--checkpointing", "full"],
-                               flags=combined.switches)
+                               flags=combined.own_flags)
     assert combined.refusal(args) is None

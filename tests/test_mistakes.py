@@ -153,6 +153,126 @@ def test_8bit_adamw_stepped_in_backward_under_torchrun_is_refused(tmp_path, caps
     said = refused(load_script("10").main, [*QUICK, "--optimizer", "adamw-8bit",
                                             "--optimizer-in-backward", "--results-dir",
                                             str(tmp_path)], capsys)
-    assert said.startswith("error: --optimizer adamw-8bit with --optimizer-in-backward under "
-                           "torchrun:") and "\n" not in said
+    assert said.startswith("error: --optimizer adamw-8bit with --optimizer-in-backward and "
+                           "sharding (torchrun):") and "\n" not in said
     assert nothing_in(tmp_path)
+
+
+# ---- configs that cannot train, named before anything is built (a script, and the estimate) --
+
+def llama_config(folder, **changes):
+    return write_config(folder, json.dumps({**dict(model_type="llama", vocab_size=97, pad_token_id=0,
+                                                   max_position_embeddings=64, **SMALL), **changes}))
+
+
+@pytest.mark.parametrize("config, words", [
+    (dict(hidden_size=30, num_attention_heads=4), "hidden size (30) is not a multiple of the number of "
+                                                  "attention heads (4)"),
+    (dict(num_attention_heads=4, num_key_value_heads=3), "4 attention heads and 3 key-value heads"),
+], ids=["heads", "key-value heads"])
+def test_a_config_whose_heads_do_not_divide_is_named_as_such(config, words, tmp_path, capsys):
+    llama = llama_config(tmp_path / "llama", **config)
+    for main, argv in ((load_script("03").main, [*QUICK, "--data", "synthetic"]),
+                       (load_script("10").main, [*QUICK, "--data", "synthetic"]),
+                       (estimate_main, ["--steps", "03"])):
+        said = refused(main, [*argv, "--model", llama, "--task", "causal-lm",
+                              "--results-dir", str(tmp_path / "out")], capsys)
+        assert words in said and "fake" not in said, said
+    assert nothing_in(tmp_path / "out")
+
+
+@pytest.mark.parametrize("step, flags", [("03", []), ("10", ["--lora-rank", "8"])])
+def test_an_encoder_decoder_is_refused_with_what_the_scripts_train(step, flags, tmp_path, capsys):
+    t5 = write_config(tmp_path / "t5", json.dumps(dict(model_type="t5", vocab_size=97, d_model=32,
+                                                       d_kv=8, d_ff=64, num_layers=1, num_heads=4)))
+    said = refused(load_script(step).main, [*QUICK, *flags, "--model", t5, "--data", "synthetic",
+                                            "--results-dir", str(tmp_path / "out")], capsys)
+    assert "'t5' model is an encoder-decoder" in said and "encoders and decoders" in said
+    assert nothing_in(tmp_path / "out")
+
+
+def test_a_clip_config_trains_at_its_image_towers_size_and_a_config_file_names_its_folder(tmp_path):
+    """CLIP keeps its image size in vision_config (224 by default), which its position table
+    follows; --model may name the config.json itself."""
+    tower = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                 patch_size=32)
+    clip = write_config(tmp_path / "clip", json.dumps(dict(
+        model_type="clip", vision_config=tower, text_config=dict(vocab_size=97, **SMALL))))
+    record = load_script("03").main([*QUICK, "--model", f"{clip}/config.json", "--data", "synthetic",
+                                     "--batch-size", "2", "--results-dir", str(tmp_path / "out")])
+    assert record["steps"] == 2 and record["model"] == f"{clip}/config.json"
+
+
+@pytest.mark.parametrize("length, least", [("1", 3), ("2", 3)])
+def test_a_text_too_short_to_predict_a_token_is_refused(length, least, tmp_path, capsys):
+    llama = llama_config(tmp_path / "llama")
+    said = refused(load_script("03").main, [*QUICK, "--model", llama, "--task", "causal-lm",
+                                           "--data", "synthetic", "--seq-len", length,
+                                           "--results-dir", str(tmp_path / "out")], capsys)
+    assert f"--seq-len {length}:" in said and f"ask for --seq-len {least} or more" in said
+    assert nothing_in(tmp_path / "out")
+
+
+def test_an_abbreviated_flag_is_refused_not_guessed(tmp_path, capsys):
+    said = refused(load_script("07").main, ["--estimate", "--world", "2",
+                                           "--results-dir", str(tmp_path)], capsys)
+    assert "unrecognized arguments: --world 2" in said
+    said = refused(lambda argv: tour_args(argv), ["--one-at", "--steps", "01"], capsys)
+    assert "unrecognized arguments: --one-at" in said
+
+
+def test_a_misspelled_lora_target_beside_right_ones_is_named(tmp_path, capsys):
+    llama = llama_config(tmp_path / "llama")
+    said = refused(load_script("10").main, [*QUICK, "--model", llama, "--task", "causal-lm",
+                                            "--data", "synthetic", "--seq-len", "8", "--lora-rank",
+                                            "4", "--lora-targets", "q_proj", "qproj_typo",
+                                            "--results-dir", str(tmp_path / "out")], capsys)
+    assert "is named qproj_typo; theirs are named" in said and "q_proj" in said.split("theirs")[1]
+
+
+# ---- a launcher's variables, set by hand or left over ------------------------------------------
+
+@pytest.mark.parametrize("environment, words", [
+    (dict(WORLD_SIZE="abc", RANK="0"), "WORLD_SIZE=abc and RANK=0 do not name a process"),
+    (dict(WORLD_SIZE="2", RANK="0"), "MASTER_ADDR and MASTER_PORT not"),
+])
+def test_a_group_that_cannot_form_is_named_before_it_is_joined(environment, words, tmp_path, capsys,
+                                                              monkeypatch):
+    for name, value in environment.items():
+        monkeypatch.setenv(name, value)
+    for name in ("MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    said = refused(load_script("07").main, [*QUICK, "--results-dir", str(tmp_path)], capsys)
+    assert words in said and "torchrun --nproc_per_node=N" in said
+    assert nothing_in(tmp_path)
+
+
+def test_a_process_started_by_hand_says_what_it_waits_for(monkeypatch, capsys):
+    from common.distributed import check_launch_environment
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("MASTER_ADDR", "10.0.0.7")
+    monkeypatch.setenv("MASTER_PORT", "29500")
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    check_launch_environment()
+    assert "waiting at 10.0.0.7:29500 for the other 1" in capsys.readouterr().err
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "run")  # torchrun starts them all: nothing to say
+    check_launch_environment()
+    assert capsys.readouterr().err == ""
+
+
+@pytest.mark.parametrize("world", ["0", "abc"])
+def test_a_stray_world_size_that_counts_no_processes_suggests_no_launch(world, tmp_path, capsys,
+                                                                       monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", world)
+    monkeypatch.delenv("RANK", raising=False)
+    said = refused(load_script("10").main, [*QUICK, "--results-dir", str(tmp_path)], capsys)
+    assert f"WORLD_SIZE={world}" in said and "nproc_per_node" not in said
+
+
+def test_a_leftover_world_size_of_one_is_named_where_it_shards(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.delenv("RANK", raising=False)
+    said = refused(load_script("10").main, [*QUICK, "--optimizer-on-host",
+                                            "--results-dir", str(tmp_path)], capsys)
+    assert said.startswith("error: --optimizer-on-host with WORLD_SIZE=1") and "unset it" in said

@@ -8,6 +8,8 @@ bars that are too short to read beside the tallest a second time in a magnified 
 panel carries a name (`Axes.get_label()`: "memory", "zoom", "time", "accuracy") so that code and
 tests can find it without counting panels, and every bar a `gid` saying what it shows.
 """
+import textwrap
+
 from matplotlib.figure import Figure
 
 from common.atomic_write import atomic_path
@@ -35,8 +37,12 @@ def script_label(script):
 
 
 def step_label(row):
+    """The step's tick: number and name, whole stack, processes; after the number the mark of a
+    row made on another machine than the unmarked ones, as its published table marks it."""
+    number, _, name = script_label(row.script.removesuffix(STACK_SUFFIX)).partition("\n")
+    mark = getattr(row, "mark", "")  # a published table's row (tour/partial.py), else none
     stack = "\nwhole stack" if row.script.endswith(STACK_SUFFIX) else ""
-    return (script_label(row.script.removesuffix(STACK_SUFFIX)) + stack
+    return (f"{number}{' ' + mark if mark else ''}\n{name}" + stack
             + (f"\n{row.processes()}" if row.processes() else ""))
 
 
@@ -197,8 +203,10 @@ def draw_accuracy(ax, rows):
         ax.set_ylim(0, 100)
 
 
-def tour_figure(rows):
-    """Per step: peak memory as stacked bars (short ones magnified), training time, accuracy."""
+def tour_figure(rows, machines=()):
+    """Per step: peak memory as stacked bars (short ones magnified), training time, accuracy.
+    `machines`: the lines naming the machines of a table whose rows come from several, written
+    at the foot (its marked steps carry their mark), since training times differ by machine."""
     tops = [stack_height(row.breakdown_bytes, row.peak_bytes) / MIB for row in rows]
     figure, panels = chart_figure(tops, lower_panels=("time", "accuracy"))
     draw_memory(panels, tops, lambda ax, x: draw_step_memory(ax, x, rows[x]), "peak memory (MiB)")
@@ -206,6 +214,9 @@ def tour_figure(rows):
     draw_training_time(panels["time"], rows)
     draw_accuracy(panels["accuracy"], rows)
     panels["accuracy"].set_xticks(range(len(rows)), [step_label(row) for row in rows], fontsize=8)
+    if machines:  # each wrapped to the figure's width (about 12 characters an inch at 8 points)
+        figure.supxlabel("\n".join(textwrap.fill(line, int(12 * figure.get_figwidth()))
+                                   for line in machines), fontsize=8)
     add_legend(figure)
     return figure
 

@@ -6,9 +6,15 @@ steps (03 on) train many times slower than float32's 01, and a table made there 
 technique were slow. The runner reads the machine once, as the tour starts, into tour.json
 ("machine"); the report writes its line under the tour's table and the estimate's, so a table
 rebuilt later (python -m tour.report) still names the machine that made its numbers.
+
+A published table can hold rows from several machines (python -m tour --publish DIR --steps NN
+rewrites only some rows): then each row made elsewhere than the unmarked rows carries a mark after
+its step ("05a_adamw_8bit (branch of 04) ¹"), and under the table a line per mark names its
+machine ("¹ Made on ..."), so the file alone says which machine made each row.
 """
 import os
 import platform
+import re
 import subprocess
 from pathlib import Path
 
@@ -18,6 +24,12 @@ CPU_QUOTA = Path("/sys/fs/cgroup/cpu.max")  # a container's share of the cores (
 # (in its "Features" line) and SVE's
 BFLOAT16_FLAGS = ("avx512_bf16", "amx_bf16", "bf16", "svebf16")
 MADE_ON = "Made on "  # how the line under a table starts
+MARK_DIGITS = "⁰¹²³⁴⁵⁶⁷⁸⁹"  # a row's mark is a number in superscript: ¹, ², ... ¹⁰
+MARKED_LINE = re.compile(f"^(?:(?P<mark>[{MARK_DIGITS}]+) )?(?P<line>{MADE_ON}.*)$")
+MARKED_CELL = re.compile(f" (?P<mark>[{MARK_DIGITS}]+)$")
+# the line for rows of a table published before tables named their machine, once rows made on a
+# named machine join them
+UNRECORDED = f"{MADE_ON}a machine not recorded (published before tables named theirs)."
 
 
 def cpuinfo_value(cpuinfo, *keys):
@@ -83,3 +95,36 @@ def machine_line(machine):
     return (f"{MADE_ON}{machine.get('cpu') or 'an unnamed CPU'}, "
             + (f"{cores} core{'s' if cores != 1 else ''} used, " if isinstance(cores, int) else "")
             + f"{arithmetic}.")
+
+
+def nth_mark(number):
+    """The mark of the `number`th machine other than the unmarked rows': "¹", "²", ... "¹⁰"."""
+    return str(number).translate(str.maketrans("0123456789", MARK_DIGITS))
+
+
+def mark_number(mark):
+    """The number a mark writes ("¹" -> 1), 0 for none: the order of the lines under a table."""
+    return int(mark.translate(str.maketrans(MARK_DIGITS, "0123456789")) or 0)
+
+
+def read_machine_line(text):
+    """(its mark, the line without it) for a line naming a machine: ("", "Made on ...") unmarked,
+    ("¹", "Made on ...") for "¹ Made on ..."; None for any other line."""
+    match = MARKED_LINE.match(text)
+    return (match["mark"] or "", match["line"]) if match else None
+
+
+def marked_line(mark, line):
+    """The line under a table naming the machine of the rows marked `mark` ("" for unmarked)."""
+    return f"{mark} {line}" if mark else line
+
+
+def cell_mark(step_cell):
+    """The mark a table's step cell carries ("¹"), or "" for an unmarked row."""
+    match = MARKED_CELL.search(step_cell)
+    return match["mark"] if match else ""
+
+
+def without_mark(step_cell):
+    """The step cell without its mark: what the report wrote."""
+    return MARKED_CELL.sub("", step_cell)

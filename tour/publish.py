@@ -7,20 +7,22 @@ or a selection of its rows (SELECTIONS):
   <!-- table: docs/tour-table.md -->  ...  <!-- /table -->
   <!-- table: docs/tour-table.md, without branches -->  ...  <!-- /table -->
 
-What lies between them is the table's header and rows, and the line under the table that names
-the machine that made it (tour/machine.py): written by publishing, never by hand (a test checks
+What lies between them is the table's header and rows, and the lines under the table that name
+the machines that made them (tour/machine.py): written by publishing, never by hand (a test checks
 that each embed is what `embedded` makes of its source).
 
-docs/ holds one tour of each kind (PUBLISHED), each made by the whole tour of its preset and
-task; --publish into one of them refuses a tour that is not that one (only some steps, a
-shortened training, no estimate), which would leave a published table short of rows.
+docs/ holds one tour of each kind (PUBLISHED), each made by the tour of its preset and task at
+its full length with its estimate; --publish into one of them refuses a tour of another preset or
+task, a shortened training or no estimate, which would leave a published table short of rows or
+unlike the rest of it. With --steps NN the tour publishes only those steps' rows into the tables
+DIR holds (tour/partial.py); without, the whole report.
 """
 import re
 from pathlib import Path
 
 from common.atomic_write import atomic_path, write_text_atomically
 from steps import STEPS, step_id
-from tour.machine import MADE_ON
+from tour.machine import cell_mark, marked_line, read_machine_line
 from tour.report import script_of
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -50,13 +52,34 @@ def documents(root=ROOT):
     return [root / "README.md", *sorted((root / "docs").glob("*.md"))]
 
 
-def table_lines(markdown):
-    """The lines of the first Markdown table in `markdown`: its header, its rule, its rows."""
-    lines = markdown.splitlines()
+def table_span(lines):
+    """(start, end): the first Markdown table among `lines` is lines[start:end]."""
     start = next((index for index, line in enumerate(lines) if line.startswith("|")), len(lines))
     end = next((index for index in range(start, len(lines)) if not lines[index].startswith("|")),
                len(lines))
+    return start, end
+
+
+def table_lines(markdown):
+    """The lines of the first Markdown table in `markdown`: its header, its rule, its rows."""
+    lines = markdown.splitlines()
+    start, end = table_span(lines)
     return lines[start:end]
+
+
+def machines_under(markdown):
+    """{mark: line} for the lines right under the first table in `markdown` that name the
+    machines of its rows, in their order: "" for the unmarked rows' ("Made on ..."), "¹" for
+    those marked ¹ ("¹ Made on ...")."""
+    lines = markdown.splitlines()
+    machines = {}
+    for line in lines[table_span(lines)[1]:]:
+        read = read_machine_line(line)
+        if line and read is None:
+            break
+        if read:
+            machines[read[0]] = read[1]
+    return machines
 
 
 def step_cell(row_line):
@@ -66,14 +89,17 @@ def step_cell(row_line):
 
 def embedded(source_text, selection=None):
     """What an embed of the published table `source_text` holds: the header and the rows that
-    `selection` keeps, then the line naming the machine where the table has one."""
+    `selection` keeps, then the lines naming the machines that made those rows, where the table
+    names them (one, unless rows from other machines were published into it, each marked)."""
     if selection not in SELECTIONS:
         raise ValueError(f"no selection {selection!r} of a table's rows; there are: "
                          + ", ".join(repr(name) for name in SELECTIONS if name))
     lines = table_lines(source_text)
     kept = lines[:2] + [line for line in lines[2:] if SELECTIONS[selection](step_cell(line))]
-    machine = next((line for line in source_text.splitlines() if line.startswith(MADE_ON)), None)
-    return "\n".join(kept) + "\n" + (f"\n{machine}\n" if machine else "")
+    marks = {cell_mark(step_cell(line)) for line in kept[2:]}
+    machines = [marked_line(mark, line) for mark, line in machines_under(source_text).items()
+                if mark in marks]
+    return "\n".join(kept) + "\n" + ("\n" + "\n\n".join(machines) + "\n" if machines else "")
 
 
 def embeds(document):
@@ -121,16 +147,23 @@ def shown_path(path):
     return path.relative_to(ROOT).as_posix() if path.is_relative_to(ROOT) else str(path)
 
 
-def publish_problem(publish_dir, preset, task, whole):
+def is_published(publish_dir):
+    """Whether `publish_dir` is one of the repository's published directories (PUBLISHED)."""
+    return any(Path(publish_dir).resolve() == (ROOT / directory).resolve() for directory in PUBLISHED)
+
+
+def publish_problem(publish_dir, preset, task, shortened):
     """Why --publish `publish_dir` refuses this tour (None if it does not): a directory of
-    PUBLISHED takes only the whole tour (`whole`: no --steps, --max-steps, --epochs or
-    --skip-estimate) of its own preset and task."""
+    PUBLISHED takes only a tour of its own preset and task, at full length with its estimate
+    (`shortened`: --max-steps, --epochs or --skip-estimate given); with --steps, that tour's rows
+    alone are published."""
     target = Path(publish_dir).resolve()
     for directory, (its_preset, its_task) in PUBLISHED.items():
         if target != (ROOT / directory).resolve():
             continue
-        if (preset, task) != (its_preset, its_task) or not whole:
+        if (preset, task) != (its_preset, its_task) or shortened:
             return (f"--publish {publish_dir}: {directory}/ holds the whole tour of --preset "
                     f"{its_preset} --task {its_task}, which the README and docs/ quote: run it "
-                    "with those, without --steps, --max-steps, --epochs or --skip-estimate")
+                    "with those, without --max-steps, --epochs or --skip-estimate (--steps NN "
+                    "publishes those steps' rows alone)")
     return None

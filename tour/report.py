@@ -62,6 +62,9 @@ def entry(row):
     return STEPS.get(step_id(row.script))
 
 
+COMBINED_NOTE = "The combined script (10), one process each run: "  # how its paragraph starts
+
+
 def combined_note(rows):
     """What the combined script's rows ran: its switches, as tour.json says them."""
     runs = [row for row in rows if row.switches is not None and getattr(entry(row), "combined", False)]
@@ -70,7 +73,7 @@ def combined_note(rows):
     said = [f"{step_name(row)}: " + (f"`{' '.join(row.switches)}`" if row.switches else
                                      "no switch (03's bfloat16 run, created on its device as 06)")
             for row in runs]
-    return ("The combined script (10), one process each run: " + "; ".join(said)
+    return (COMBINED_NOTE + "; ".join(said)
             + (". The whole stack: every switch of the estimate's chain (estimate/stack.py) that "
                "one run combines" if any(row.switches for row in runs) else "") + ".\n")
 
@@ -279,7 +282,7 @@ def write_report(results_dir):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__,
+    parser = argparse.ArgumentParser(description=__doc__, allow_abbrev=False,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("results_dir", nargs="?", default="results",
                         help="the directory with the JSON records (default: results)")

@@ -5,6 +5,8 @@
   python -m tour --steps 01 03 --max-steps 2 --epochs 1 --skip-estimate   # a quick look
   python -m tour --publish docs   # also copy the tables and charts to docs/, and write the
                                   # tables the README and docs/ embed (tour/publish.py)
+  python -m tour --publish docs --steps 05a   # run 05a alone and publish its rows into the
+                                  # tables docs/ holds, the other rows kept (tour/partial.py)
 
 The combined script (10) runs last, twice, as one process: with no switch, and with the whole
 stack (estimate/stack.py's chain up to --offload); the second's record is 10_combined_stack.json.
@@ -18,6 +20,12 @@ their training times then include sharing the cores, as the table says. --publis
 --one-at-a-time run each step alone, with its output streaming as it runs. A step that fails
 (non-zero exit, or no JSON record) is shown as failed in the table with the end of its stderr,
 and the others still run; the command then exits with status 1.
+
+With --publish DIR and --steps, the steps named run as the whole tour runs them, their estimate
+rows with them, and only their rows are published: each replaces its row in the tables DIR holds
+(or joins them in the tour's order), the other rows stay as they were, a row made on another
+machine than the rest is marked, and the charts are drawn again (tour/partial.py). Where a step
+fails, nothing is published.
 
 Everything is first written to a fresh directory inside --results-dir and moved in at the end, so
 an interrupted run leaves the previous results as they were, a table is never half-written, and a
@@ -37,6 +45,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+import tour.code_tables as code_tables
 from common.atomic_write import write_json_atomically
 from common.cli import add_shared_flags, positive_int
 from common.presets import PRESETS, for_task
@@ -45,7 +54,8 @@ from estimate.records import ESTIMATE_FILE
 from estimate.stack import whole_stack
 from steps import STEPS, UnknownStep, select, step_of
 from tour.machine import this_machine
-from tour.publish import publish, publish_problem
+from tour.partial import Refused, publish_rows, read_table
+from tour.publish import is_published, publish, publish_problem
 from tour.records import STACK_SUFFIX, TOUR_FILE, read_json
 from tour.report import ESTIMATE_CHART, ESTIMATE_TABLE, REPORT_FILES, TOUR_CHART, TOUR_TABLE, write_report
 
@@ -157,10 +167,25 @@ def combined_commands(script, results_dir, passed_flags, launch, task):
                     switches, written=f"{stack}/{apart.output}")]
 
 
-def estimate_command(results_dir):
-    """The GPU estimate (article preset)."""
-    command = [sys.executable, "-m", ESTIMATE_MODULE, "--results-dir", str(results_dir)]
+def estimate_command(results_dir, steps=None):
+    """The GPU estimate (article preset), of every step or of the scripts `steps` names."""
+    command = [sys.executable, "-m", ESTIMATE_MODULE, "--results-dir", str(results_dir),
+               *(["--steps", *steps] if steps else [])]
     return Command("estimate", command, ESTIMATE_FILE, "estimate")
+
+
+def estimated_scripts(names, task):
+    """The scripts of the estimate table that --steps `names` picks (all for None), in its order:
+    every step and branch the estimate can run, as python -m estimate makes its table."""
+    return [step.name for step in select(names, task) if not step.combined and not step.by_hand]
+
+
+def whole_tour_rows(task, scripts_dir=None):
+    """The rows of the whole tour's table, by record name, in its order: where a partial
+    publish puts its rows."""
+    whole = argparse.Namespace(scripts=step_scripts(tour_steps(None, task), scripts_dir),
+                               passed_flags=[], launch=Launch(1, "cpu", ""), task=task)
+    return [command.record_name for command in tour_commands(whole, Path())]
 
 
 def error_line_index(lines):
@@ -334,7 +359,7 @@ def move_results(staging, results_dir, responsible_for):
 def parse_args(argv=None, scripts_dir=None):
     """The tour's flags; `args.scripts` are the scripts --steps selects (steps.select), or with
     `scripts_dir` their stand-ins there (the tests' fakes)."""
-    parser = argparse.ArgumentParser(prog="python -m tour", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m tour", description=__doc__, allow_abbrev=False,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add_shared_flags(parser, ["--preset", "--task"], {
         "--preset": (DEFAULT_PRESET, f"{DEFAULT_PRESET}; tiny-text: the steps on text, without "
@@ -347,7 +372,7 @@ def parse_args(argv=None, scripts_dir=None):
     parser.add_argument("--steps", nargs="+", metavar="NN",
                         help="run only these steps, e.g. --steps 01 03 (default: all, and "
                              "10, the combined script, twice: with no switch and the whole "
-                             "stack)")
+                             "stack); with --publish, publish only their rows")
     add_shared_flags(parser, ["--max-steps", "--epochs"])
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
                         help="passed to every script (auto: each script's own choice, and the "
@@ -361,8 +386,12 @@ def parse_args(argv=None, scripts_dir=None):
                         help=f"stop a step that runs longer than this (default: {STEP_TIMEOUT} s)")
     parser.add_argument("--publish", type=Path, metavar="DIR",
                         help="also copy the tables and charts to DIR and write the tables the "
-                             "README and docs/ embed from them (docs: the whole tour only); runs "
-                             "each step alone")
+                             "README and docs/ embed from them; runs each step alone. With "
+                             "--steps, only those steps' rows: each replaces its row in the "
+                             "tables DIR holds, or joins them in the tour's order; the other rows "
+                             "stay, a row made on another machine is marked, the charts are drawn "
+                             "again. docs/, docs/text and docs/causal-lm take only their own "
+                             "preset and task, without --max-steps, --epochs or --skip-estimate")
     parser.add_argument("--one-at-a-time", action="store_true",
                         help="run each step alone, so that its training time is that of a run "
                              "with the machine to itself (the default with --publish or on a GPU; "
@@ -399,10 +428,18 @@ def parse_args(argv=None, scripts_dir=None):
         problem = unwritable(str(args.publish))
         if problem:
             parser.error(problem.replace("--results-dir", "--publish", 1))
-        problem = publish_problem(args.publish, args.preset, args.task, whole=not (
-            args.steps or args.max_steps or args.epochs or args.skip_estimate))
+        problem = publish_problem(args.publish, args.preset, args.task, shortened=bool(
+            args.max_steps or args.epochs or args.skip_estimate))
         if problem:
             parser.error(problem)
+    # --steps into a directory that holds a tour: its rows merged into the tables there
+    args.merging = bool(args.publish and args.steps and (args.publish / TOUR_TABLE).is_file())
+    try:
+        for name in (TOUR_TABLE, ESTIMATE_TABLE) if args.merging else ():
+            if (args.publish / name).is_file():  # a table that cannot take rows: said now
+                read_table(args.publish / name)
+    except Refused as refusal:
+        parser.error(str(refusal))
     sharded = [script for script in args.scripts if step_of(script).sharded]
     split = (PRESETS[args.preset].batch_size, step_of(sharded[0]).accum_steps if sharded else 1)
     try:
@@ -423,11 +460,27 @@ def tour_commands(args, results_dir):
 
 
 def estimate_of(args, results_dir):
-    """The GPU estimate the tour runs after its steps, or None: none under --skip-estimate, for a
-    preset whose tour has none (tiny-text), or for another task than classification."""
-    if args.skip_estimate or not PRESETS[args.preset].tour_estimate or args.task != "classification":
+    """The GPU estimate the tour runs after its steps, or None (no_estimate_reason says why).
+    Publishing some steps' rows, the estimate of those steps alone, or of every step where the
+    directory keeps no estimate records yet: its estimate chart is drawn from them all."""
+    if no_estimate_reason(args):
         return None
-    return estimate_command(results_dir)
+    if not args.merging or not (args.publish / ESTIMATE_FILE).is_file():
+        return estimate_command(results_dir)
+    return estimate_command(results_dir, estimated_scripts(args.steps, args.task))
+
+
+def no_estimate_reason(args):
+    """Why the tour runs no estimate (for the table's note), or None when it runs one."""
+    if args.skip_estimate:
+        return "--skip-estimate"
+    if not PRESETS[args.preset].tour_estimate or args.task != "classification":
+        return ("the tour's GPU estimate predicts the image steps (article preset); for text, "
+                "python -m estimate --preset imdb"
+                + (f" --task {args.task}" if args.task != "classification" else ""))
+    if args.merging and not estimated_scripts(args.steps, args.task):
+        return "none of the steps named has a row in the estimate table"
+    return None
 
 
 def main(argv=None, scripts_dir=None):
@@ -452,11 +505,8 @@ def main(argv=None, scripts_dir=None):
         if estimate is not None:
             estimate_outcome = run_command(estimate, staging, f"[{total}/{total}]", args.step_timeout)
         else:
-            reason = ("--skip-estimate" if args.skip_estimate
-                      else "the tour's GPU estimate predicts the image steps (article preset); "
-                           "for text, python -m estimate --preset imdb"
-                           + (f" --task {args.task}" if args.task != "classification" else ""))
-            estimate_outcome = {"script": "estimate", "status": "skipped", "error": reason}
+            estimate_outcome = {"script": "estimate", "status": "skipped",
+                                "error": no_estimate_reason(args)}
         write_json_atomically(staging / TOUR_FILE, {
             "steps": outcomes, "estimate": estimate_outcome, "passed_flags": args.passed_flags,
             "sharded_launch": vars(args.launch), "machine": machine})
@@ -471,10 +521,27 @@ def main(argv=None, scripts_dir=None):
 
     print("\n" + report_text)
     print(f"written to {results_dir}/: {', '.join(report_names)}")
-    if args.publish:
-        publish(results_dir, report_names, args.publish)
     failed = [outcome["script"] for outcome in [*outcomes, estimate_outcome]
               if outcome["status"] == "failed"]
+    if args.merging and failed:  # a published row replaced by a failure would help nobody
+        print(f"not published into {args.publish}/: {', '.join(failed)} failed, so its tables "
+              "keep the rows they had")
+    elif args.merging:
+        try:
+            publish_rows(results_dir, args.publish, whole_tour_rows(args.task, scripts_dir),
+                         estimated_scripts(None, args.task),
+                         estimated_scripts(args.steps, args.task) if estimate else [])
+        except Refused as refusal:
+            print(f"not published into {args.publish}/: {refusal}", file=sys.stderr)
+            return 1
+    elif args.publish:  # with the estimate's records, from which a later --steps draws its chart
+        publish(results_dir, [*report_names, *([ESTIMATE_FILE] if ESTIMATE_TABLE in report_names
+                                                else [])], args.publish)
+    if args.publish and not failed and is_published(args.publish):
+        # and the tables docs/ shows of the code (a new step's rows in them too): tour/code_tables.py
+        written = code_tables.write()
+        print(f"and the tables of the code in {', '.join(written)}" if written else
+              "the tables of the code in docs/ are as the code gives them")
     if failed:
         print(f"failed: {', '.join(failed)} (see the table)")
     return 1 if failed else 0

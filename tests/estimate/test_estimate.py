@@ -363,7 +363,7 @@ def test_a_sharded_script_that_fills_its_shards_another_way_is_refused(tmp_path)
 
 
 def test_a_script_that_starts_its_own_process_group_is_refused(tmp_path):
-    call = "    _, world_size, device = init_distributed(args.device)"
+    call = "    _, world_size, device = init_distributed(device)"
     own_group = edited_copy(tmp_path, "07", call, "    dist.init_process_group('gloo')\n" + call)
     with pytest.raises(EstimateError, match="calls torch.distributed.init_process_group itself"):
         predict(own_group, [])

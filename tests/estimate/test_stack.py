@@ -40,7 +40,7 @@ def parsed(combined, words, world_size=1):
         if world_size == 1:
             os.environ.pop("WORLD_SIZE", None)
         args = combined.parse_args(combined.__doc__, words[len(launch):],
-                                   flags=combined.switches)
+                                   flags=combined.own_flags)
         return args, combined.refusal(args)
 
 
@@ -291,13 +291,13 @@ def test_each_link_sets_switches_of_10_that_a_script_trains_with(combined):
     from support.tags import switch_pairs
     trained = {pair for step in STEPS.values() for pair in switch_pairs(step.switches)}
     declared = argparse.ArgumentParser()
-    combined.switches(declared)
+    combined.own_flags(declared)
     for link in stack.CHAIN:
         for flag, value in link.sets:
             assert flag in declared._option_string_actions, f"link {link.name!r}: 10 has no {flag}"
             if value is not stack.REMOVE:
                 combined.parse_args("", [flag] if value is True else [flag, value],
-                                    flags=combined.switches)  # a value 10 takes
+                                    flags=combined.own_flags)  # a value 10 takes
                 assert (flag, value) in trained, \
                     f"link {link.name!r}: {flag} {value} is no step's switch (steps.py)"
 

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+import tour.code_tables as code_tables
 from conftest import ROOT
 from steps import STEPS, import_script, step_id
 from tour.publish import documents, embedded, embeds
@@ -90,7 +91,8 @@ def script_module(path):
 # calls once the command line is checked, and whether that function checks it too
 MODULES = {"estimate": ("estimate.command", "model_flags", True),  # reads --model and the preset
            "tour": ("tour.runner", "parse_args", True),
-           "tour.report": ("tour.report", "write_report", False)}
+           "tour.report": ("tour.report", "write_report", False),
+           "tour.code_tables": ("tour.code_tables", "tables", False)}
 
 
 def program_of(words):
@@ -317,20 +319,18 @@ def test_the_record_fields_documented_are_those_a_run_writes():
     assert listed == [(name, present) for name, (present, _) in RECORD_FIELDS.items()]
 
 
-def test_the_table_of_each_scripts_tests_is_the_one_the_tests_sources_give():
-    from support.script_tests import table
-    development = (ROOT / "docs" / "development.md").read_text()
-    shown = development.split("<!-- script tests -->\n")[1].split("\n<!-- /script tests -->")[0]
-    assert shown == table(), "docs/development.md: run python tests/support/script_tests.py"
+@pytest.mark.parametrize("marker", list(code_tables.BLOCKS))
+def test_each_table_of_the_code_is_the_one_its_maker_gives(marker):
+    """What a copy needs, each script's tests, 10's switches, its refusals and each script's
+    switch set: written by --publish (tour/code_tables.py), never by hand."""
+    document, make = code_tables.BLOCKS[marker]
+    assert code_tables.shown(marker) == make(), f"{document}'s {marker}: run python -m tour.code_tables"
 
 
-def test_the_table_of_what_a_copy_needs_is_the_one_the_scripts_imports_give():
-    from support.copy_needs import table
-    development = (ROOT / "docs" / "development.md").read_text()
-    shown = development.split("<!-- copy needs -->\n")[1].split("\n<!-- /copy needs -->")[0]
-    assert shown == table(), "docs/development.md: run python tests/support/copy_needs.py"
+def test_the_readme_gives_the_range_of_what_a_copy_needs():
     readme = " ".join((ROOT / "README.md").read_text().split())
-    counts = [int(line.split(" | ")[1].replace(",", "")) for line in table().splitlines()[2:]]
+    rows = code_tables.copy_needs().splitlines()[2:]
+    counts = [int(line.split(" | ")[1].replace(",", "")) for line in rows]
     assert f"{min(counts):,} to {max(counts):,} lines" in readme
 
 

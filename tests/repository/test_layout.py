@@ -17,8 +17,8 @@ import pytest
 
 from conftest import QUICK, ROOT, load_script, script_path
 from steps import STEPS, scripts, step_id
-from support.copy_needs import common_imported, imported_by
 from support.tags import TAGS, has_tag, switch_pairs
+from tour.code_tables import common_imported, imported_by
 
 # the tag each step puts on the lines it adds (steps.py; also listed in the README)
 
@@ -242,7 +242,8 @@ def test_the_quick_subset_has_a_test_of_each_claim_it_names():
 
 def markdown_rows(text, header):
     """The cells of each row of the table whose header line starts with `header`."""
-    table = text.split(header, 1)[1].split("\n\n", 1)[0].splitlines()[2:]
+    lines = text.split(header, 1)[1].splitlines()[2:]
+    table = lines[:next((index for index, line in enumerate(lines) if not line.startswith("|")), len(lines))]
     return [[cell.strip() for cell in line.strip().strip("|").replace("\\|", "\0").split("|")]
             for line in table]
 
@@ -275,7 +276,7 @@ def test_the_combined_chapters_tables_agree_with_steps_py():
 
 def test_a_techniques_flags_are_declared_in_its_script_not_in_common(tmp_path):
     """04's --accum-steps, 07's --reshard-after-forward, 07a's --lora-*, 05k's --memory-budget:
-    each in its script's own_flags (10's in its switches), so a diff shows the flag and a copy
+    each in its script's own_flags (10's: its switches), so a diff shows the flag and a copy
     carries it; common/cli.py's parser holds only the flags every script shares."""
     import argparse
 
@@ -286,8 +287,7 @@ def test_a_techniques_flags_are_declared_in_its_script_not_in_common(tmp_path):
     declared = {}
     for step in STEPS.values():
         own = argparse.ArgumentParser(add_help=False)
-        getattr(load_script(step.id), "switches" if step.combined else "own_flags",
-                lambda parser: None)(own)  # (01-03, 04b: none of their own)
+        getattr(load_script(step.id), "own_flags", lambda parser: None)(own)  # (01-03, 04b: none)
         declared[step.id] = set(own._option_string_actions)
     assert "--accum-steps" in declared["04"] and "--reshard-after-forward" in declared["07"]
     assert {"--lora-rank", "--lora-alpha", "--lora-targets"} <= declared["07a"]

@@ -1,11 +1,14 @@
 """Publishing the tour: the machine named under each table, the tables the README and docs/
 embed, and the published tables themselves, which must hold every row their tour makes.
 
-The last two tests read docs/ as it is: they fail while a published table lags the scripts, and
-pass once its tour has published it again (the commands are in tour/publish.py's PUBLISHED).
+The two tests of the published tables read docs/ as it is: they fail while a published table
+lags the scripts, and pass once its tour has published it again (the commands are in
+tour/publish.py's PUBLISHED; with --steps NN, the rows of the steps named alone). The tests after
+them publish fake steps' rows into a docs/ of their own (tour/partial.py).
 """
 import json
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -15,12 +18,13 @@ from conftest import ROOT
 from estimate import records
 from estimate.command import model_flags, parse_table_args, rows_for
 from steps import select, with_parent
-from tour import machine, publish
+from tour import machine, partial, publish
 from tour import runner as tour
-from tour.machine import MADE_ON, machine_line, this_machine
+from tour.charts import NOT_BROKEN_DOWN, tour_figure
+from tour.machine import MADE_ON, cell_mark, machine_line, this_machine
 from tour.publish import PUBLISHED, embedded, embeds, refresh_embeds, step_cell, table_lines
 from tour.records import StepRow, read_json
-from tour.report import ESTIMATE_TABLE, TOUR_TABLE, script_of, step_name, write_report
+from tour.report import ESTIMATE_TABLE, TOUR_CHART, TOUR_TABLE, script_of, step_name, write_report
 
 FIXTURES = Path(__file__).parent / "fixtures"
 EPYC = ("processor\t: 0\nvendor_id\t: AuthenticAMD\nmodel name\t: AMD EPYC 9R14 96-Core Processor\n"
@@ -164,15 +168,23 @@ def test_a_tables_step_cell_reads_back_as_its_record(script, world_size):
     assert script_of(step_name(StepRow(script, world_size=world_size, device="cpu"))) == script
 
 
-@pytest.mark.parametrize("flags", [["--steps", "01"], ["--max-steps", "2"], ["--skip-estimate"],
-                                   ["--preset", "tiny-text"], ["--epochs", "1"]])
-def test_publishing_into_docs_takes_the_whole_tour_of_its_preset(flags, capsys):
-    """A partial tour published into docs/ would leave its table short of rows."""
+@pytest.mark.parametrize("flags", [
+    ["--max-steps", "2"], ["--skip-estimate"], ["--preset", "tiny-text"], ["--epochs", "1"],
+    ["--steps", "01_baseline", "--max-steps", "2"], ["--steps", "01_baseline", "--epochs", "1"],
+    ["--steps", "01_baseline", "--skip-estimate"], ["--steps", "01_baseline", "--preset", "tiny-text"]])
+def test_publishing_into_docs_takes_its_tour_at_full_length_with_or_without_steps(flags, capsys):
+    """A shortened tour, one without its estimate or of another preset published into docs/
+    would leave its tables short of rows or unlike the rest of them: refused in one line, before
+    any step runs. Some steps' rows alone (--steps) are published."""
     with pytest.raises(SystemExit) as exit_info:
         tour.parse_args([*flags, "--publish", str(ROOT / "docs")])
     assert exit_info.value.code == 2
-    assert "holds the whole tour of --preset tiny --task classification" in capsys.readouterr().err
+    said = capsys.readouterr().err.strip().splitlines()
+    assert said[-1].startswith(f"python -m tour: error: --publish {ROOT / 'docs'}: docs/ holds the "
+                               "whole tour of --preset tiny --task classification"), said
     assert tour.parse_args(["--publish", str(ROOT / "docs")]).publish == ROOT / "docs"
+    some = tour.parse_args(["--publish", str(ROOT / "docs"), "--steps", "05a_adamw_8bit"])
+    assert some.merging and [script.name for script in some.scripts] == ["05a_adamw_8bit.py"]
 
 
 def published_tour(directory, results_dir):
@@ -182,9 +194,10 @@ def published_tour(directory, results_dir):
                             "--results-dir", str(results_dir)])
 
 
-# docs/causal-lm's table lags (no 05h-05k, no combined rows): strict, so that publishing it
-# again (python -m tour --preset tiny-text --task causal-lm --publish docs/causal-lm, 20-25 min)
-# turns this mark into a failure to remove
+# docs/causal-lm's table lags (no 05h-05k, no combined rows): strict, so that publishing them
+# (python -m tour --preset tiny-text --task causal-lm --publish docs/causal-lm --steps 05h 05i
+# 05j 05k 10, their rows alone; the whole tour takes 20-25 min) turns this mark into a failure to
+# remove
 LAGGING = {"docs/causal-lm": "not yet published again since 05h-05k and 10 were added"}
 
 
@@ -226,3 +239,219 @@ def test_the_published_estimate_table_lists_every_row_the_tours_estimate_makes(t
         assert shown == expected, (f"{directory}/{ESTIMATE_TABLE}: missing "
                                    f"{sorted(set(expected) - set(shown))}")
         assert any(line.startswith(MADE_ON) for line in text.splitlines()), "no machine named"
+
+
+# Publishing some steps' rows (python -m tour --publish DIR --steps NN, tour/partial.py), with
+# fake steps named as the scripts they stand in for, so that their rows read as the real ones
+
+FAKE_STEP = "from fake_record import write_record\n\nwrite_record(__file__)\n"
+CRASHES = "raise RuntimeError('broken on purpose')\n"
+
+
+@pytest.fixture
+def site(tmp_path, monkeypatch, cpuinfo):
+    """A tour to publish into a docs/ of its own, beside a README that embeds its tables: fake
+    steps in scripts/ (`add` writes one), the fake estimate, no GPU, an EPYC's CPU; `tour(...)`
+    runs python -m tour with those and returns its exit status."""
+    scripts, docs, results = tmp_path / "scripts", tmp_path / "docs", tmp_path / "results"
+    scripts.mkdir()
+    shutil.copy(FIXTURES / "fake_steps" / "fake_record.py", scripts)
+    readme = tmp_path / "README.md"
+    readme.write_text(f"<!-- table: docs/{TOUR_TABLE} -->\n<!-- /table -->\n\n"
+                      f"<!-- table: docs/{TOUR_TABLE}, without branches -->\n<!-- /table -->\n\n"
+                      f"<!-- table: docs/{ESTIMATE_TABLE} -->\n<!-- /table -->\n")
+    monkeypatch.setattr(publish, "documents", lambda: [readme])
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    estimates = []  # the --steps each estimate was asked for (None: every step)
+
+    def fake_estimate(results_dir, steps=None):
+        estimates.append(steps)
+        return tour.Command("estimate", [sys.executable, str(FIXTURES / "fake_estimate.py"),
+                                         "--results-dir", str(results_dir),
+                                         *(["--steps", *steps] if steps else [])],
+                            "estimate.json", "estimate")
+
+    monkeypatch.setattr(tour, "estimate_command", fake_estimate)
+    cpuinfo(EPYC)
+
+    class Site:
+        def add(self, name, source=FAKE_STEP):
+            (scripts / f"{name}.py").write_text(source)
+
+        def tour(self, *flags):
+            return tour.main(["--results-dir", str(results), "--publish", str(docs), *flags],
+                             scripts_dir=scripts)
+
+        def text(self, name):
+            return (docs / name).read_text()
+
+    found = Site()
+    found.scripts, found.docs, found.results, found.readme = scripts, docs, results, readme
+    found.estimates, found.machine = estimates, cpuinfo
+    for name in ("01_baseline", "03_bf16", "05_sgd_cosine"):
+        found.add(name)
+    return found
+
+
+def rows_of(text):
+    """{step cell: row line} of the first table in `text`."""
+    return {step_cell(line): line for line in table_lines(text)[2:]}
+
+
+def test_a_partial_publish_rewrites_only_the_named_rows(site, monkeypatch):
+    """03 rerun (it now trains 2.5 s, its estimate doubled): its row in each table is this run's,
+    and every other byte of both tables, the machine's line and the prose, is as published;
+    the estimate's records beside its table follow, and the README's embeds are written again."""
+    assert site.tour() == 0  # the whole tour: 01, 03, 05, and the estimate of the study's steps
+    tour_before, estimate_before = site.text(TOUR_TABLE), site.text(ESTIMATE_TABLE)
+    chart_before = (site.docs / "tour-chart.png").read_bytes()
+    monkeypatch.setenv("FAKE_TRAIN_SECONDS", "2.5")
+    monkeypatch.setenv("FAKE_ESTIMATE_SCALE", "2")
+    assert site.tour("--steps", "03_bf16") == 0
+    assert site.estimates == [None, ["03_bf16"]]  # 03's estimate alone, beside kept records
+    tour_after, estimate_after = site.text(TOUR_TABLE), site.text(ESTIMATE_TABLE)
+    old, new = rows_of(tour_before)["03_bf16"], rows_of(tour_after)["03_bf16"]
+    assert "| 1.5 s |" in old and "| 2.5 s |" in new
+    assert tour_after == tour_before.replace(old, new)
+    old_rows = [line for cell, line in rows_of(estimate_before).items() if cell.startswith("03_bf16")]
+    new_rows = [line for cell, line in rows_of(estimate_after).items() if cell.startswith("03_bf16")]
+    assert len(old_rows) == len(new_rows) == 1 and "10.20 GB" in new_rows[0]  # 5.1 GB doubled
+    assert estimate_after == estimate_before.replace(old_rows[0], new_rows[0])
+    records = {record["script"]: record for record in json.loads(site.text("estimate.json"))}
+    assert records["03_bf16"]["allocated_bytes"] == 10.2e9
+    assert records["01_baseline"]["allocated_bytes"] == 25.1e9  # kept as published
+    assert (site.docs / "tour-chart.png").read_bytes() != chart_before  # 03's time drawn again
+    assert [shown for _, _, shown in embeds(site.readme)] == [
+        embedded(tour_after), embedded(tour_after, "without branches"), embedded(estimate_after)]
+
+
+def test_a_new_steps_row_lands_in_tour_order_and_a_gone_steps_row_is_dropped(site):
+    """04a, new, goes between 03 and 05 (steps.py's order), its "vs 01" against the table's 01;
+    05, whose script is gone, leaves the table; 01 and 03 stay byte for byte."""
+    assert site.tour("--skip-estimate") == 0
+    before = rows_of(site.text(TOUR_TABLE))
+    site.add("04a_optimizer_in_backward")
+    (site.scripts / "05_sgd_cosine.py").unlink()
+    assert site.tour("--skip-estimate", "--steps", "04a_optimizer_in_backward") == 0
+    after = rows_of(site.text(TOUR_TABLE))
+    assert list(after) == ["01_baseline", "03_bf16", "04a_optimizer_in_backward (branch of 03)"]
+    assert [after[cell] for cell in ("01_baseline", "03_bf16")] == [before["01_baseline"],
+                                                                 before["03_bf16"]]
+    assert after["04a_optimizer_in_backward (branch of 03)"].startswith("| 04a_optimizer_in_backward "
+                                                                       "(branch of 03) | 1.00 | 0.50x |")
+    assert "04a_optimizer_in_backward" not in embeds(site.readme)[1][2]  # without branches
+
+
+def test_rerunning_01_computes_every_rows_vs_01_again(site, monkeypatch):
+    """01's peak doubles: the other rows' ratios are computed again from the peaks the table
+    shows (their other cells kept), and a row published after it is compared with the new 01."""
+    assert site.tour("--skip-estimate") == 0
+    before = rows_of(site.text(TOUR_TABLE))
+    assert before["03_bf16"].startswith("| 03_bf16 | 1.00 | 0.50x |")
+    monkeypatch.setenv("FAKE_BASELINE_MIB", "4")
+    assert site.tour("--skip-estimate", "--steps", "01_baseline") == 0
+    after = rows_of(site.text(TOUR_TABLE))
+    assert after["01_baseline"].startswith("| 01_baseline | 4.00 | 1.00x |")
+    assert after["03_bf16"] == before["03_bf16"].replace("0.50x", "0.25x")
+    assert after["05_sgd_cosine"] == before["05_sgd_cosine"].replace("0.50x", "0.25x")
+    site.add("04a_optimizer_in_backward")
+    assert site.tour("--skip-estimate", "--steps", "04a_optimizer_in_backward") == 0
+    assert "| 1.00 | 0.25x |" in rows_of(site.text(TOUR_TABLE))["04a_optimizer_in_backward (branch of 03)"]
+
+
+def test_a_row_from_another_machine_is_marked_and_its_mark_survives_later_publishes(site, monkeypatch):
+    """03 rerun on an AVX2 Xeon: marked ¹ in both tables, a second line names that machine, and
+    the chart marks it and names both; 05 rerun on the EPYC leaves 03's row and line as they
+    were; 01 on an Arm machine takes ²; once every row is the EPYC's again, one line, no mark."""
+    charts = {}
+    monkeypatch.setattr(partial, "save_png", lambda figure, path: charts.update({path.name: figure}))
+    assert site.tour() == 0
+    epyc = machine_line(site.machine(EPYC))
+    xeon = machine_line(site.machine(AVX2_ONLY))
+    assert site.tour("--steps", "03_bf16") == 0
+    for name in (TOUR_TABLE, ESTIMATE_TABLE):
+        text = site.text(name)
+        assert [cell for cell in rows_of(text) if cell.startswith("03_bf16")] == ["03_bf16 ¹"], name
+        assert [line for line in text.splitlines() if MADE_ON in line] == [epyc, f"¹ {xeon}"], name
+    [_, _, shown], *_ = embeds(site.readme)
+    assert shown.endswith(f"\n\n{epyc}\n\n¹ {xeon}\n")
+    figure = charts[TOUR_CHART]  # every row of the table, 03's marked, both machines named
+    ticks = [label.get_text() for label in figure.axes[-1].get_xticklabels()]
+    assert [tick.split("\n", 1)[1] for tick in ticks] == ["baseline", "bf16", "sgd cosine"]
+    assert [tick.split("\n")[0] for tick in ticks][1] == "03 ¹"
+    assert figure.get_supxlabel().split() == f"{epyc} ¹ {xeon}".split()  # wrapped to its width
+
+    marked = rows_of(site.text(TOUR_TABLE))["03_bf16 ¹"]
+    site.machine(EPYC)
+    assert site.tour("--steps", "05_sgd_cosine") == 0
+    text = site.text(TOUR_TABLE)
+    assert rows_of(text)["03_bf16 ¹"] == marked and "05_sgd_cosine" in rows_of(text)
+    assert [line for line in text.splitlines() if MADE_ON in line] == [epyc, f"¹ {xeon}"]
+
+    arm = machine_line(site.machine(ARM))
+    assert site.tour("--skip-estimate", "--steps", "01_baseline") == 0
+    text = site.text(TOUR_TABLE)
+    assert list(rows_of(text)) == ["01_baseline ²", "03_bf16 ¹", "05_sgd_cosine"]
+    assert [line for line in text.splitlines() if MADE_ON in line] == [epyc, f"¹ {xeon}", f"² {arm}"]
+
+    site.machine(EPYC)
+    assert site.tour("--steps", "01_baseline", "03_bf16") == 0
+    for name in (TOUR_TABLE, ESTIMATE_TABLE):
+        text = site.text(name)
+        assert not any(cell_mark(cell) for cell in rows_of(text)), name
+        assert [line for line in text.splitlines() if MADE_ON in line] == [epyc], name
+    assert charts[TOUR_CHART].get_supxlabel() == ""  # one machine: nothing to say at its foot
+
+
+def test_a_failed_step_publishes_nothing(site, capsys):
+    assert site.tour() == 0
+    before = {path.name: path.read_bytes() for path in site.docs.iterdir()}
+    site.add("03_bf16", CRASHES)
+    assert site.tour("--steps", "03_bf16") == 1
+    assert "not published into" in capsys.readouterr().out
+    assert {path.name: path.read_bytes() for path in site.docs.iterdir()} == before
+
+
+def test_the_estimate_records_are_kept_beside_a_table_published_without_them(site, monkeypatch, capsys):
+    """docs/ as published before the records were kept there: the estimate runs over every step
+    once, its records of the rows kept must make those rows to the byte, and are kept from then
+    on; where they make other rows (the estimate changed since), nothing is published."""
+    assert site.tour() == 0
+    (site.docs / "estimate.json").unlink()
+    before = {path.name: path.read_bytes() for path in site.docs.iterdir()}
+    monkeypatch.setenv("FAKE_ESTIMATE_SCALE", "2")
+    assert site.tour("--steps", "03_bf16") == 1
+    said = capsys.readouterr().err
+    assert "the rows of 01_baseline, 02_mixed_precision, 04_grad_accum, 07_fsdp, " \
+           "09_activation_checkpointing are not what their estimate records" in said
+    assert {path.name: path.read_bytes() for path in site.docs.iterdir()} == before
+    monkeypatch.setenv("FAKE_ESTIMATE_SCALE", "1")
+    assert site.tour("--steps", "03_bf16") == 0
+    assert site.estimates == [None, None, None]  # each time every step, for want of records
+    assert site.text(ESTIMATE_TABLE).encode() == before[ESTIMATE_TABLE]
+    assert len(json.loads(site.text("estimate.json"))) == 6  # every record, kept from now on
+    assert site.tour("--steps", "03_bf16") == 0
+    assert site.estimates[-1] == ["03_bf16"]
+
+
+def test_a_merged_tables_chart_is_drawn_from_the_table_as_it_shows_its_rows():
+    """The tour chart of a partial publish is drawn from the published table itself (docs/'s
+    here): a bar per row as tall as its peak, stacked by its breakdown without a grey sliver for
+    the table's rounding, and each time and accuracy labelled as the table shows it."""
+    text = (ROOT / "docs" / TOUR_TABLE).read_text()
+    lines = table_lines(text)
+    rows = partial.chart_rows(lines[0], lines[2:])
+    figure = tour_figure(rows)
+    memory = [ax for ax in figure.axes if ax.get_label() == "memory"][0]
+    heights = {}
+    for bar in memory.patches:
+        assert bar.get_gid() != NOT_BROKEN_DOWN, bar
+        column = round(bar.get_x() + bar.get_width() / 2)
+        heights[column] = heights.get(column, 0) + bar.get_height()
+    cells = [partial.row_cells(line) for line in lines[2:]]
+    assert [round(heights[column], 2) for column in range(len(cells))] == [
+        float(row[1].replace(",", "")) for row in cells]
+    labels = {ax.get_label(): [label.get_text() for label in ax.texts] for ax in figure.axes}
+    assert labels["time"] == [row[9] for row in cells]
+    assert labels["accuracy"] == [row[10] for row in cells]
