@@ -34,7 +34,7 @@ COST = {"gpu_flops": 150e12,  # bfloat16 matrix products actually reached (an A1
         }
 # Of --gpu-memory, kept free by a sharded fit (N GPUs): the estimate sees one process of N and
 # leaves out what NCCL holds outside the tensors it is given (its own buffers; gloo's copy on the
-# CPU is counted, and 2-process CPU runs equal their estimates: tests/test_distributed.py); no
+# CPU is counted, and 2-process CPU runs equal their estimates: tests/scripts/test_distributed.py); no
 # sharded run has been measured on GPUs (docs/gpus.md: groups of one), and one-GPU runs at scale
 # reserved up to 1.036 of their prediction.
 SHARDED_MARGIN = 0.10

@@ -2,7 +2,7 @@
 
 The key claim, that with no GPU emulation (--device cpu) the estimate equals the peak the real run
 of the same script measures (the fake run executes the script's own code), is tested on every
-architecture and step in tests/test_architectures.py.
+architecture and step in tests/scripts/test_architectures.py.
 """
 import json
 import subprocess

@@ -1,7 +1,7 @@
 """07b's estimate: bitsandbytes' 4-bit weights stood in for on fake tensors (estimate/fake/four_bit.py).
 
 The stand-in holds the tensors bitsandbytes stores, byte for byte (on the CPU 07b's estimate equals
-its run's peak and breakdown to the byte on every architecture: tests/test_architectures.py); on a
+its run's peak and breakdown to the byte on every architecture: tests/scripts/test_architectures.py); on a
 GPU, forward also holds the bfloat16 copy of
 the weight that CUDA's gemm_4bit makes where it does not run its fused kernel.
 """

@@ -18,7 +18,7 @@ Test-only changes, made from outside as the estimate does:
   with its work: a moment after the call has returned, or at times some operations later, when
   the script has dropped them already. A storage then lives on into the next allocations, and a
   CPU run's tracked peak varies with the threads' timing by up to such a copy (one to four of
-  the ten runs of tests/test_distributed.py's launch, in each of 3 launches, before it waited). Here
+  the ten runs of tests/scripts/test_distributed.py's launch, in each of 3 launches, before it waited). Here
   each collective returns once the thread has let go of what it holds, so that it goes as the
   script drops it, in the script's own order.
 """

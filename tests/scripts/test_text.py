@@ -22,7 +22,7 @@ from conftest import QUICK, SMALL_SNIPPET_SPLITS, TEXT, assert_follows, run_scri
 # the pretrained model as each way of creating it loads it: on the host in float32 (01), then
 # cast (04), on the device in bfloat16 (06), shard by shard from process 0's copy (07; 09 with
 # checkpointing and offload); every script trains on text (a BERT classifying, a Llama on
-# next tokens) in tests/test_architectures.py
+# next tokens) in tests/scripts/test_architectures.py
 LOADING_STEPS = ["01", "04", "06", "07", "09"]
 
 

@@ -523,7 +523,7 @@ def test_stacked_switches_train(names, tmp_path, monkeypatch, small_snippets):
     assert_trains(names, run_switches(names, tmp_path, monkeypatch))
 
 
-# what the estimate is checked on beside the default (which tests/test_causal_lm.py estimates, as
+# what the estimate is checked on beside the default (which tests/scripts/test_causal_lm.py estimates, as
 # for every script): the activation techniques stacked in one process; and QLoRA, whose 4-bit
 # weights the estimate stands in for (estimate/fake/four_bit.py) as for 07b
 ESTIMATED = {"fused+offloaded+adamw-8bit+in-backward+on-host": [

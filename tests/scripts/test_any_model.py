@@ -1,6 +1,6 @@
 """--model: any Hugging Face image or sequence classifier, or decoder (--task causal-lm), trained
 and estimated by every step (each architecture on every step, its estimate to the byte:
-tests/test_architectures.py); here, what --model reads and the messages for what it cannot take.
+tests/scripts/test_architectures.py); here, what --model reads and the messages for what it cannot take.
 
 The models here are small ones written as config.json files (a 2-layer BERT with MiniLM's
 tokenizer, a 2-layer ViT), so nothing is downloaded.

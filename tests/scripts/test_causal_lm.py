@@ -2,7 +2,7 @@
 computes the same loss while holding less.
 
 Every script that trains the task trains the architecture matrix's grouped-query decoder on it,
-its estimate to the byte (tests/test_architectures.py); here the preset's own decoder (tiny-text
+its estimate to the byte (tests/scripts/test_architectures.py); here the preset's own decoder (tiny-text
 under causal-lm: a small Llama drawn from scratch) learns in the README's command, and the
 matrix's decoders train on the branch that touches the output layer itself (05g) and on its
 parent.

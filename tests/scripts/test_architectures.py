@@ -5,7 +5,7 @@ and the estimate without GPU emulation (--device cpu) predicts that run's peak, 
 and its breakdown to the byte. This is the one test of that claim (the presets' models are these
 architectures: tiny's ViT, tiny-text's BERT and, under causal-lm, its Llama). 07-09 run as one
 process here (a group of one), and as two processes under torchrun for an encoder and a
-grouped-query decoder (ViT, the vision model, in tests/test_distributed.py).
+grouped-query decoder (ViT, the vision model, in tests/scripts/test_distributed.py).
 """
 import json
 import math
