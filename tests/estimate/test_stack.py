@@ -327,6 +327,37 @@ def test_each_link_sets_switches_of_10_that_a_script_trains_with(combined):
                     f"link {link.name!r}: {flag} {value} is no step's switch (steps.py)"
 
 
+def test_each_links_group_is_the_one_10_gives_the_switches_it_sets(combined):
+    """10_combined.py's SWITCHES give each value the chain may set its group in the stack
+    (Switch.groups, in GROUPS' words); a link's group is the latest of those of the values it
+    sets (the optimizer on the host sets 8-bit AdamW, inexact, and is priced by its bytes over
+    PCIe), the first where it sets none (bf16, the default; sharding alone, whose
+    --reshard-after-forward 10 gives no group). Every value a link of CHAIN sets has a group in
+    10; each disagreement is named."""
+    records = {switch.flag: switch for switch in combined.SWITCHES}
+    wrong = []
+    for chain in (stack.CHAIN, stack.SHARDED_CHAIN):
+        for link in chain:
+            groups = []
+            for flag, value in link.sets:
+                if value is stack.REMOVE:
+                    continue
+                given = (records[flag].groups or {}).get(value)
+                if given is None:
+                    if chain is stack.CHAIN:
+                        wrong.append(f"link {link.name!r} sets {stack.flag_text(flag, value)}, "
+                                     "which 10's SWITCHES give no group")
+                elif given not in stack.GROUPS:
+                    wrong.append(f"10 gives {stack.flag_text(flag, value)} the group {given!r}, "
+                                 "which is none of estimate/stack.py's GROUPS")
+                else:
+                    groups.append(stack.GROUPS.index(given))
+            if link.group != max(groups, default=0):
+                wrong.append(f"link {link.name!r} is in group {stack.GROUPS[link.group]!r}, but 10 "
+                             f"gives what it sets {stack.GROUPS[max(groups, default=0)]!r}")
+    assert not wrong, "; ".join(wrong)
+
+
 def test_on_several_gpus_the_stack_shards_first_keeping_adam_exact(combined):
     """--world-size 2: the first prefix is 10 under torchrun, every process holding half the
     weights, gradients and Adam's state (ZeRO-2 first: fewer bytes over the interconnect); its

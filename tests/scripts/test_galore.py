@@ -172,6 +172,43 @@ def test_the_moments_are_the_projections_size_and_the_rest_adams(eight_bit, runs
     assert expected + projectors < (0.3 if eight_bit else 0.4) * adam
 
 
+def test_the_breakdown_prints_the_states_bytes_per_parameter(tmp_path, capsys):
+    """The run prints its model state per parameter: the weights', gradients' and optimizer
+    state's bytes at the peak over the parameters. That optimizer state holds every state 04c
+    keeps (moments, 8-bit codes and scales, projectors: all made with the optimizer) and what a
+    step holds while it runs, which MemTracker counts as the optimizer's: at most one SVD's
+    float32 tensors for the widest matrix (its input, a column-major copy of it, U, S and Vh)."""
+    from common.memory import MODEL_STATE_KEYS
+    record, meter = run_script("04c", [*QUICK, "--galore-8bit"], tmp_path, unevaluated("04c"))
+    printed = capsys.readouterr().out
+    names = ("exp_avg", "exp_avg_sq", "state1", "state2", "absmax1", "absmax2", "qmap1", "qmap2",
+             "projector")
+    kept = state_bytes(meter.optimizer, *names)
+    rows, columns = max((weight.shape for optimizer in meter.optimizer for group in optimizer.param_groups
+                         if group["rank"] for weight in group["params"]), key=math.prod)
+    side = min(rows, columns)
+    svd = 4 * (2 * rows * columns + rows * side + side + side * columns)
+    breakdown = record["breakdown_bytes"]
+    assert kept <= breakdown["optimizer_state"] <= kept + svd
+    per_parameter = record["model_state_bytes_per_parameter"]
+    assert per_parameter == sum(breakdown[key] for key in MODEL_STATE_KEYS) / record["parameter_count"]
+    assert (f"model state (parameters, gradients, optimizer state): {per_parameter:.2f} bytes per "
+            "parameter") in printed
+    assert f"optimizer state {breakdown['optimizer_state'] / 2**20:,.2f} MiB" in printed
+
+
+def test_the_estimate_with_a_projection_on_each_tracked_step_is_the_runs_peak(tmp_path):
+    """--galore-gap 1: each tracked step makes every projection anew (step 2's after a step of
+    the moments); the tiny preset's estimate on the CPU equals that run to the byte."""
+    from estimate.predict import predict
+    flags = ["--galore-gap", "1"]
+    real, _ = run_script("04c", [*QUICK, *flags], tmp_path, unevaluated("04c"))
+    predicted = predict(script_path("04c"), [*flags, "--device", "cpu"])
+    assert predicted["allocated_bytes"] == real["peak_memory_bytes"]
+    assert predicted["breakdown_bytes"] == real["breakdown_bytes"]
+    assert predicted["model_state_bytes_per_parameter"] == real["model_state_bytes_per_parameter"]
+
+
 def test_the_first_step_holds_what_every_projection_step_holds(runs, tmp_path):
     """The states are made with the optimizer, so the first step, which makes every projection,
     holds each weight's moments already, as step T+1 does: with a projection at both tracked steps
