@@ -141,7 +141,8 @@ def select(names, task=None):
     every = sorted(STEPS.values(), key=lambda step: step.id)
     chosen = set()
     for name in names or ():
-        token = Path(str(name)).stem
+        path = Path(str(name))
+        token = path.stem if path.suffix == ".py" else path.name  # "4.5" is no step 04
         if token.isdigit():
             matches = [step for step in every if int(step.id[:2]) == int(token)]
         else:

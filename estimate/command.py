@@ -105,7 +105,7 @@ def resources_used():
 
 def parse_table_args(argv):
     parser = argparse.ArgumentParser(
-        prog="python -m estimate", description=estimate.__doc__,
+        prog="python -m estimate", description=estimate.__doc__, allow_abbrev=False,
         formatter_class=argparse.RawDescriptionHelpFormatter)
     add_shared_flags(parser, ["--preset", "--model", "--task", "--seq-len", "--image-size",
                               "--num-labels", "--batch-size"], {
@@ -144,7 +144,8 @@ def parse_table_args(argv):
                              "a check)")
     words = list(sys.argv[1:] if argv is None else argv)
     for index, word in enumerate(words[:-1]):  # a negative size reads as a flag: take it whole,
-        if word in ("--gpu-memory", "--interconnect") and words[index + 1].startswith("-"):
+        if (word in ("--gpu-memory", "--host-memory", "--interconnect")
+                and words[index + 1].startswith("-")):
             words[index + 1] = f"{word}={words[index + 1]}"  # and say what is wrong
             words[index] = None
     words = [word for word in words if word is not None]
@@ -163,7 +164,7 @@ def parse_table_args(argv):
     if args.gpu_memory is not None:
         try:
             args.capacity = parse_size(args.gpu_memory)
-            args.host_capacity = args.host_memory and parse_size(args.host_memory)
+            args.host_capacity = args.host_memory and parse_size(args.host_memory, "--host-memory")
             args.interconnect = args.interconnect and parse_rate(args.interconnect)
         except ValueError as error:
             parser.error(str(error))
@@ -179,15 +180,19 @@ def parse_table_args(argv):
         parser.error("--host-memory limits the stack's answer to --gpu-memory SIZE: add it")
     elif args.stack_only:
         parser.error("--stack-only answers --gpu-memory SIZE: add it (for example 24GB)")
+    if args.stack_only and args.steps:
+        parser.error("--steps picks the table's rows, and --stack-only prints no table (the stack "
+                     "walks 10_combined.py's switches): leave one of them out")
     return args
 
 
-def parse_size(text):
-    """Bytes in "24GB" (10^9), "24GiB" or "24G" (2^30), "80 GB", "16000MB"; ValueError if not."""
+def parse_size(text, flag="--gpu-memory"):
+    """Bytes in "24GB" (10^9), "24GiB" or "24G" (2^30), "80 GB", "16000MB"; ValueError, naming
+    `flag`, if not, or if it comes to less than a byte."""
     found = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
     unit = found and found.group(2).lower()
-    if not found or unit not in UNITS or float(found.group(1)) <= 0:
-        raise ValueError(f"--gpu-memory {text!r}: expected a size such as 24GB, 24GiB or 80GB "
+    if not found or unit not in UNITS or int(float(found.group(1)) * UNITS[unit]) < 1:
+        raise ValueError(f"{flag} {text!r}: expected a size such as 24GB, 24GiB or 80GB "
                          "(GB = 10^9 bytes, GiB and G = 2^30; a GPU sold as 24 GB holds 24 GiB)")
     return int(float(found.group(1)) * UNITS[unit])
 
@@ -227,11 +232,16 @@ def model_flags(args):
                                           "--results-dir", args.results_dir]).preset
     except SystemExit:
         lines = said.getvalue().strip().splitlines() or ["error: the flags were refused"]
-        print(f"python -m estimate: error: {lines[-1].split('error: ', 1)[-1]}", file=sys.stderr)
-        raise SystemExit(2) from None
+        refuse(lines[-1].split('error: ', 1)[-1])
     if args.batch_size is not None:
         flags += ["--batch-size", str(args.batch_size)]
     return flags
+
+
+def refuse(problem):
+    """A usage error found past the parser: said as python -m estimate's own, status 2."""
+    print(f"python -m estimate: error: {problem}", file=sys.stderr)
+    raise SystemExit(2)
 
 
 def main(argv=None):
@@ -254,8 +264,10 @@ def table_main(argv):
     try:
         steps = select(args.steps, args.task)
     except UnknownStep as problem:
-        raise SystemExit(f"error: --steps: {problem}")
+        refuse(f"--steps: {problem}")
     flags = model_flags(args)
+    if args.gpu_memory is not None:
+        check_the_batch_splits(args, flags)
     with quiet_while_working(args.quiet):  # the work's progress lines, unless --quiet
         if args.stack_only:
             chain, answer = the_stack(args, flags)
@@ -330,6 +342,21 @@ def quiet_while_working(quiet):
         yield
 
 
+def stack_preset(args, flags):
+    """The preset's settings the stack's runs take: the named preset's, or the --model's."""
+    return PRESETS[args.preset] if args.model is None else parse_args(
+        "", [*without_batch_flags(flags), "--preset", args.preset, "--estimate"]).preset_settings
+
+
+def check_the_batch_splits(args, flags):
+    """The stack on N GPUs gives each a whole share of the batch: said before anything runs."""
+    batch_size = args.batch_size or stack_preset(args, flags).batch_size
+    if args.stack_world_size > 1 and batch_size % args.stack_world_size:
+        refuse(f"a batch of {batch_size} does not split over {args.stack_world_size} GPUs "
+               f"(--world-size), each taking a whole share: give --batch-size a multiple of "
+               f"{args.stack_world_size}, or fewer GPUs")
+
+
 def the_stack(args, flags):
     """The stack (estimate/stack.py) for the asked batch in --gpu-memory, as printed: (the chain
     and its costs, the answer and its command)."""
@@ -337,8 +364,7 @@ def the_stack(args, flags):
 
     from common.model import model_class, model_config
     combined = STEPS["10"].path
-    preset = PRESETS[args.preset] if args.model is None else parse_args(
-        "", [*without_batch_flags(flags), "--preset", args.preset, "--estimate"]).preset_settings
+    preset = stack_preset(args, flags)
     config = model_config(preset)
     with torch.device("meta"):  # the parameter count for the cost model, in no memory
         parameters = sum(tensor.numel() for tensor in model_class(preset)._from_config(config).parameters())
@@ -346,7 +372,8 @@ def the_stack(args, flags):
     base = ["--preset", args.preset, "--device", args.device, *without_batch_flags(flags)]
     shown = [*(["--preset", args.preset] if args.model is None else []), *without_batch_flags(flags)]
     tokens = batch_size * (preset.max_length or (preset.image_size // 16) ** 2 or 1)
-    shape = (config.num_hidden_layers, config.hidden_size, getattr(config, "vocab_size", 0))
+    tower = getattr(config, "vision_config", config)  # CLIP: its image tower trains
+    shape = (tower.num_hidden_layers, tower.hidden_size, getattr(config, "vocab_size", 0))
     costs = Costs(parameters, tokens, *shape,
                   interconnect=args.interconnect or COST["interconnect_bytes_per_s"])
     answer, adapters = walk.answer_all(combined, base, batch_size, args.stack_world_size,

@@ -22,6 +22,10 @@ here, explicitly, as PyTorch 2.13 (the version pinned here) makes it on an A100:
   (`torch.where`), padded to a multiple of 8 keys when needed; the kernel keeps it for backward.
   Architectures whose attention is their own code (BLOOM's "eager") run the same operators on
   both devices and need no switch.
+- Dropout in training: on CUDA, ATen's dropout runs the fused native_dropout, which keeps a
+  one-byte mask for backward; on the CPU it multiplies by a noise tensor of the input's dtype
+  and keeps that, four bytes an element in float32 (Dropout.cpp, is_fused_kernel_acceptable).
+  The fake run takes CUDA's path (`dropout_as_on_cuda`, fake/patches.py).
 - Optimizers: with foreach=None on CUDA tensors, the torch.optim optimizers that ask
   `_default_to_fused_or_foreach` (Adam, AdamW, SGD, ...) take their foreach implementation (on
   the CPU, the for-loop one); Adafactor never asks, and runs its single-tensor path on both.

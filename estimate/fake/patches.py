@@ -13,6 +13,7 @@ from contextlib import contextmanager
 import torch
 import torch._functorch.config
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch._subclasses.fake_tensor import _DISPATCH_META_HANDLERS, FakeTensor, FakeTensorMode
 
 from estimate.contract import EstimateError
@@ -146,6 +147,28 @@ def cuda_optimizer_defaults():
     finally:
         for module, original in zip(modules, originals):
             module._default_to_fused_or_foreach = original
+
+
+@contextmanager
+def dropout_as_on_cuda():
+    """While inside, a dropout in training keeps a boolean mask for backward, as CUDA's does.
+
+    ATen's dropout runs the fused native_dropout on CUDA tensors (is_fused_kernel_acceptable in
+    aten/src/ATen/native/Dropout.cpp: CUDA, 0 < p < 1, not empty), which keeps a one-byte mask;
+    on the CPU it multiplies by a noise tensor of the input's dtype and keeps that (four bytes an
+    element in float32). In-place dropout takes the composite path on both."""
+    original = F.dropout
+
+    def dropout(input, p=0.5, training=True, inplace=False):
+        if training and not inplace and 0 < p < 1 and input.numel() > 0:
+            return torch.ops.aten.native_dropout(input, p, True)[0]
+        return original(input, p, training, inplace)
+
+    F.dropout = dropout
+    try:
+        yield
+    finally:
+        F.dropout = original
 
 
 INIT_PROCESS_GROUP = dist.init_process_group  # the real one, for the fake group

@@ -30,6 +30,7 @@ from estimate.fake.patches import (
     compiled_graphs_run_by_operations,
     cuda_optimizer_defaults,
     device_meshes_made_for_real,
+    dropout_as_on_cuda,
     process_group_only_through_init_distributed,
     quantization_maps_computed_once,
     reduce_scatters_copying_their_input,
@@ -196,6 +197,7 @@ def fake_run(script_path, argv, world_size, gpu, any_batch_size, every_micro_bat
         stack.enter_context(device_meshes_made_for_real())
         stack.enter_context(sharding_propagation_apart())
         stack.enter_context(cuda_optimizer_defaults() if emulate_cuda else nullcontext())
+        stack.enter_context(dropout_as_on_cuda() if emulate_cuda else nullcontext())
         stack.enter_context(nullcontext() if emulate_cuda else reduce_scatters_copying_their_input())
         stack.enter_context(quantization_maps_computed_once())
         stack.enter_context(run.trace.recording())

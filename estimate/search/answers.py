@@ -70,7 +70,10 @@ def chain_text(task, parameters, tokens, shape, world_size, interconnect=None):
 
 def stack_text(answer, model_argv, batch_size, capacity, size, adapter_answers):
     """The stack's answer, the adapters' line."""
-    if answer.fit is None:
+    if answer.fit is None and answer.estimated and len(answer.failures) == answer.estimated:
+        lines = [f"The stack: no answer for batch {batch_size}: every estimate of the chain failed, "
+                 f"the first ({answer.failures[0]})"]
+    elif answer.fit is None:
         last = next(((link, value) for link, sw, _, value in reversed(answer.tried)
                      if sw is not None), None)
         nearest = (f"{size_text(last[1])} reserved against {size} ({size_text(capacity)})"

@@ -39,6 +39,8 @@ class Answer:
     search: tuple = ()  # search()'s arguments for the prefix that fits
     host_bytes: int = 0  # the host memory a process of the answer holds (--offload's shards)
     why: str = ""  # why it and not the other chain, where sharding was weighed against one GPU
+    estimated: int = 0  # the prefixes estimated, and those whose estimate failed (their problems)
+    failures: list = field(default_factory=list)
 
 
 def walk(script, base_argv, batch_size, world_size, capacity, task, gpu, report=print, jobs=1,
@@ -178,6 +180,8 @@ class Walk:
             reserved = record and record["reserved_bytes"]
             self.answer.parameters = self.answer.parameters or (record or {}).get("parameter_count", 0)
             self.answer.tried.append((link, switches, notes, reserved if record else problem))
+            self.answer.estimated += 1
+            self.answer.failures += [] if record else [f"{link.name}: {problem}"]
             room = (f" of {size_text(self.room(world))} (--gpu-memory less the sharded margin, "
                     f"{SHARDED_MARGIN:.0%})" if world > 1 else "")
             self.report(f"[stack] {link.name}: " + (f"{size_text(reserved)} reserved at micro-batch "

@@ -433,3 +433,49 @@ def test_a_gpu_out_of_memory_while_loading_is_not_called_corrupted_weights(tmp_p
     monkeypatch.setattr("transformers.BertForSequenceClassification.from_pretrained", out_of_memory)
     with pytest.raises(torch.OutOfMemoryError):
         run_script("04", [*model_flags(folder, "BERT"), *QUICK], tmp_path)
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--gpu-memory", "0.5b"], "--gpu-memory '0.5b': expected a size such as 24GB"),
+    (["--gpu-memory", "24GB", "--host-memory", "0"], "--host-memory '0': expected a size"),
+    (["--gpu-memory", "24GB", "--host-memory", "64gigs"], "--host-memory '64gigs': expected a size"),
+    (["--gpu-memory", "24GB", "--host-memory", "-1GB"], "--host-memory '-1GB': expected a size"),
+    (["--gpu-memory", "24GB", "--stack-only", "--steps", "01", "03"],
+     "--steps picks the table's rows, and --stack-only prints no table"),
+    (["--steps", "4.5"], "no script '4.5'; the scripts are: 01 02 03"),
+    (["--gpu-memory", "24GB", "--world", "2"], "unrecognized arguments: --world 2"),
+    (["--gpu-memory", "24GB", "--stack-only", "--world-size", "1000000"],
+     "a batch of 64 does not split over 1000000 GPUs (--world-size), each taking a whole share: "
+     "give --batch-size a multiple of 1000000, or fewer GPUs"),
+    (["--gpu-memory", "24GB", "--world-size", "3", "--batch-size", "7"],
+     "a batch of 7 does not split over 3 GPUs"),
+])
+def test_the_estimates_mistakes_are_named_before_anything_runs(argv, words, tmp_path, capsys):
+    said = refused(estimate_main, [*argv, "--results-dir", str(tmp_path)], capsys)
+    assert words in said
+    assert nothing_in(tmp_path)
+
+
+def test_a_stack_whose_every_estimate_failed_says_so_not_that_nothing_fits():
+    from estimate.search.answers import stack_text
+    from estimate.search.walk import Answer
+    from estimate.stack import CHAIN
+    answer = Answer(tried=[(CHAIN[0], [], [], "an operation needs values"),
+                           (CHAIN[1], [], [], "an operation needs values")],
+                    estimated=2, failures=[f"{CHAIN[0].name}: an operation needs values"] * 2)
+    said = stack_text(answer, [], 8, 24 * 10**9, "24GB", [])
+    assert said.startswith("The stack: no answer for batch 8: every estimate of the chain failed, "
+                           f"the first ({CHAIN[0].name}: an operation needs values)")
+    assert "no prefix fits" not in said
+
+
+def test_a_clip_configs_stack_is_answered_at_its_image_towers_size(tmp_path, capsys):
+    """The stack prices CLIP by its image tower, which the scripts train (the CLIP config has no
+    num_hidden_layers of its own)."""
+    tower = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                 patch_size=32)
+    clip = write_config(tmp_path / "clip", json.dumps(dict(
+        model_type="clip", vision_config=tower, text_config=dict(vocab_size=97, **SMALL))))
+    assert estimate_main(["--model", str(clip), "--gpu-memory", "1GB", "--stack-only", "--quiet",
+                          "--batch-size", "4", "--results-dir", str(tmp_path / "out")]) == 0
+    assert capsys.readouterr().out.startswith("The stack: bf16 fits batch 4 in --gpu-memory 1GB")

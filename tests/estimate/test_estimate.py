@@ -161,8 +161,10 @@ def test_bad_input_gets_a_message_that_says_what_to_do(tmp_path, capsys, monkeyp
     with pytest.raises(SystemExit, match="WORLD_SIZE='four' is not a positive whole number"):
         estimate(str(script_path("07")), ["--estimate", "--results-dir", str(tmp_path)])
 
-    with pytest.raises(SystemExit, match="--steps: no script '99'; the scripts are: 01 02"):
+    with pytest.raises(SystemExit) as stop:
         estimate_table(["--steps", "01", "99", "--results-dir", str(tmp_path)])
+    assert stop.value.code == 2
+    assert "--steps: no script '99'; the scripts are: 01 02" in capsys.readouterr().err
     with pytest.raises(SystemExit) as stop:  # the flag's old name
         estimate_table(["--scripts", "01", "--results-dir", str(tmp_path)])
     assert stop.value.code == 2
@@ -281,6 +283,32 @@ def test_gpu_attention_takes_the_kernel_cuda_takes_for_the_dtype(dtype, kernel, 
         saved = "_saved_log_sumexp" if hasattr(node, "_saved_log_sumexp") else "_saved_logsumexp"
         log_sum_exp = getattr(node, saved)
         assert log_sum_exp.shape == (2, 4, kept_rows) and log_sum_exp.dtype == torch.float32
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_dropout_in_training_keeps_a_one_byte_mask_as_on_cuda(dtype):
+    """CUDA's dropout is the fused native_dropout and keeps a boolean mask for backward; the
+    CPU's multiplies by noise of the input's dtype and keeps that, which the estimate must not
+    count. Off in evaluation, at p=0 and in place, where both devices take the same path."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from estimate.fake.patches import dropout_as_on_cuda
+
+    def saved(output):
+        return [getattr(output.grad_fn, name) for name in dir(output.grad_fn)
+                if name.startswith("_saved_") and isinstance(getattr(output.grad_fn, name), torch.Tensor)]
+
+    with FakeTensorMode():
+        hidden = torch.empty(2, 48, 64, dtype=dtype, requires_grad=True)
+        on_cpu = saved(torch.nn.Dropout(0.1)(hidden))
+        with dropout_as_on_cuda():
+            emulated = saved(torch.nn.Dropout(0.1)(hidden))
+            assert torch.nn.functional.dropout(hidden, 0.1, training=False) is hidden
+            in_place = saved(torch.nn.functional.dropout(hidden * 1, 0.1, inplace=True))
+            assert [tensor.dtype for tensor in in_place] == [dtype]  # the composite path: noise
+            assert torch.nn.functional.dropout(hidden, 0.0).grad_fn is None
+    assert [(tensor.dtype, tensor.shape) for tensor in on_cpu] == [(dtype, hidden.shape)]
+    assert [(tensor.dtype, tensor.shape) for tensor in emulated] == [(torch.bool, hidden.shape)]
 
 
 @pytest.mark.parametrize("keys, kept_keys", [(48, 48), (45, 48)])  # padded to 8s, as on CUDA
