@@ -26,7 +26,7 @@ from common.distributed import end_distributed, init_distributed
 from common.evaluate import evaluate
 from common.launch import train_or_estimate
 from common.memory import MemoryMeter, measure_creation
-from common.model import create_model, fill_shards, transformer_blocks
+from common.model import create_model, fill_shards, transformer_blocks, untied_token_embeddings
 from common.presets import preset_for
 from common.progress import Progress
 from common.quirks import BlockWrapper
@@ -84,7 +84,7 @@ def train(args, device):
         blocks = transformer_blocks(model)  # checkpointing: wrap each block, then shard the wrappers
         for index, block in enumerate(blocks):
             blocks[index] = CheckpointedBlock(block)
-        # FSDP: shard each block (it gathers its weights in turn), then the rest as one more unit
+        # FSDP: shard each block (it gathers its weights in turn), the embeddings, then the rest
         shard_options = dict(mesh=init_device_mesh(device.type, (world_size,)))  # all processes
         # offload: shards live in CPU memory between uses (pinned when training on CUDA)
         shard_options["offload_policy"] = CPUOffloadPolicy(pin_memory=device.type == "cuda")
@@ -93,7 +93,10 @@ def train(args, device):
                 block.compile()  # FSDP's gathers stay outside compiled code; alike blocks share it
             # true: ZeRO-3, gathered weights freed after forward; false: kept until backward
             fully_shard(block, **shard_options, reshard_after_forward=args.reshard_after_forward)
-        fully_shard(model, **shard_options)  # embeddings, final norm and head
+        # FSDP: the token embeddings too, or the root would keep them gathered all step
+        if (embeddings := untied_token_embeddings(model)) is not None:  # (tied: in the root)
+            fully_shard(embeddings, **shard_options, reshard_after_forward=args.reshard_after_forward)
+        fully_shard(model, **shard_options)  # the rest: final norm and head (not resharded after forward)
         fill_shards(model, preset, device)  # each process allocates and fills its shards
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr or preset.sgd_lr)  # plain SGD
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=total_steps)

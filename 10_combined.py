@@ -44,7 +44,8 @@ from common.distributed import end_distributed, init_distributed
 from common.evaluate import evaluate
 from common.launch import train_or_estimate
 from common.memory import HOST, MemoryMeter, measure_creation
-from common.model import classification_head, create_model, fill_shards, transformer_blocks
+from common.model import (classification_head, create_model, fill_shards, transformer_blocks,
+                          untied_token_embeddings)
 from common.presets import preset_for
 from common.progress import Progress
 from common.quirks import (BlockWrapper, check_output_layer_without_bias,
@@ -1114,8 +1115,8 @@ def apply_compile(model, memory_budget):  # memory budget: compiled, each block 
 
 
 def apply_sharding(model, settings, preset, device, world_size):  # FSDP
-    """Shard each block (it gathers its weights in turn), then the rest as one more unit, over
-    every process; each process then allocates and fills its shards."""
+    """Shard each block (it gathers its weights in turn), the token embeddings, then the rest as
+    one more unit, over every process; each process then allocates and fills its shards."""
     shard_options = dict(mesh=init_device_mesh(device.type, (world_size,)))  # all processes
     if settings.offload:
         # offload: shards live in CPU memory between uses (pinned when training on CUDA)
@@ -1123,7 +1124,10 @@ def apply_sharding(model, settings, preset, device, world_size):  # FSDP
     for block in transformer_blocks(model):
         # true: ZeRO-3, gathered weights freed after forward; false: kept until backward
         fully_shard(block, **shard_options, reshard_after_forward=settings.reshard_after_forward)
-    fully_shard(model, **shard_options)  # embeddings, final norm and head
+    # FSDP: the token embeddings too, or the root would keep them gathered all step
+    if (embeddings := untied_token_embeddings(model)) is not None:  # (tied: in the root)
+        fully_shard(embeddings, **shard_options, reshard_after_forward=settings.reshard_after_forward)
+    fully_shard(model, **shard_options)  # the rest: final norm and head (not resharded after forward)
     if settings.loss != "model":  # sharded switches: the loss is the root's forward, so FSDP
         # gathers the weights outside the blocks before it reads them
         model.forward = partial({"chunked": chunked_loss, "fused": fused_loss}[settings.loss], model)
@@ -1224,9 +1228,9 @@ def in_four_bits(layer):  # QLoRA
 
 def root_loss(model, inputs, labels):  # sharded switches
     """The chunked or fused loss of a sharded model, which apply_sharding makes its root's
-    forward: FSDP gathers the weights outside the blocks (embeddings, final norm, head) before
-    the loss reads them, and reduce-scatters their gradients after backward, as around any
-    forward."""
+    forward: FSDP gathers the root's weights (final norm, head; tied embeddings) before the loss
+    reads them, and reduce-scatters their gradients after backward, as around any forward; the
+    base model calls the token embeddings' own unit, which gathers and frees its table."""
     return model(inputs, labels)
 
 

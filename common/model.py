@@ -192,6 +192,23 @@ def transformer_blocks(model):
                key=len)
 
 
+def untied_token_embeddings(model):
+    """The model's table of input token embeddings (Llama's embed_tokens, BERT's word_embeddings),
+    which FSDP can shard as a unit of its own; None where the output layer shares its weight
+    (tied: GPT-2, BLOOM, Llama 3.2; FSDP2 lets a weight belong to one unit only, so it stays in
+    the root with the head) or where the model has no such table (a convolutional network; ViT's
+    patch projection is small, and returns a view, which FSDP2 warns against)."""
+    try:
+        embeddings = model.get_input_embeddings()
+    except NotImplementedError:  # (transformers' answer for a model without input embeddings)
+        return None
+    if not isinstance(embeddings, torch.nn.Embedding):
+        return None
+    head = model.get_output_embeddings()
+    tied = head is not None and any(weight is embeddings.weight for weight in head.parameters())
+    return None if tied else embeddings
+
+
 def offloads_to_host(model):
     """True when an FSDP2 module of `model` keeps its shards in host memory (CPUOffloadPolicy)."""
     for module in model.modules():

@@ -45,6 +45,7 @@ from conftest import (
 from estimate.predict import predict
 from estimate.question import Question
 from estimate.stack import SHARDED_CHAIN, argv_of
+from support.architecture_matrix import model_flags, write_model
 from tour.records import RECORD_FIELDS
 
 
@@ -93,6 +94,24 @@ def test_each_process_holds_about_half_of_every_parameter(probed_runs):
     totals = [sum(run["shards"][name][0] for name in names) for run in runs]
     whole_model = sum(runs[0]["shards"][name][1] for name in names)
     assert all(abs(total - whole_model / 2) < 0.01 * whole_model for total in totals), totals
+
+
+@pytest.mark.timeout(PROBED_TEST_TIMEOUT)
+@pytest.mark.parametrize("name, tied", [("Llama", False), ("GPT-2", True)])
+def test_the_token_embeddings_are_a_unit_of_their_own_unless_tied(name, tied, probed_runs,
+                                                                  tmp_path_factory):
+    """FSDP2 does not reshard the root unit after forward: token embeddings left in it would stay
+    gathered from forward to the end of backward. 07 shards them as their own unit, freed after
+    forward as a block is (torchtitan's way), unless the output layer shares their weight (a
+    weight belongs to one unit: tied, they stay in the root with the head). A decoder of the
+    architecture matrix with its own output layer (Llama) and one tied to its embeddings (GPT-2),
+    under causal-lm, each process noting after the first forward."""
+    folder = write_model(tmp_path_factory.mktemp("embeddings") / name.lower(), name)
+    run = probed_runs("07", (*model_flags(folder, name), "--task", "causal-lm", "--data", "synthetic",
+                             "--batch-size", "4"))
+    for rank in run.ranks:
+        assert rank["embeddings_after_forward"] == {
+            "tied": tied, "own_unit": not tied, "in_root": tied, "gathered": tied}
 
 
 @pytest.mark.timeout(PROBED_TEST_TIMEOUT)

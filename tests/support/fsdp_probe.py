@@ -7,7 +7,8 @@ Test-only changes, made from outside as the memory estimator does: the script's 
 float32 (so that runs can be compared closely), and its train_step is wrapped to note, before
 every step, this process's batch (size and a fingerprint), the size of its shard of each
 parameter, where parameters and optimizer state live and FSDP's offload setting; in the
-optimizer step, where the gradients live; at the end, how many graphs torch.compile made. It
+optimizer step, where the gradients live; after the first forward, which FSDP unit holds the token
+embeddings and whether they are gathered; at the end, how many graphs torch.compile made. It
 copies the gradients of the first step the memory meter does not watch, so that the copy stays
 out of the measured peak (the run needs --max-steps above common.memory.TRACKED_STEPS). Each
 process writes OUT_DIR/rank<N>.json and OUT_DIR/grads_rank<N>.pt.
@@ -79,6 +80,30 @@ class Probe:
             if len(self.notes["in_optimizer_step"]) == TRACKED_STEPS + 1:
                 self.gradients = {name: grad.detach().clone() for name, grad in gradients.items()}
         optimizer.register_step_pre_hook(in_optimizer_step)
+        self.watch_embeddings(model)
+
+    def watch_embeddings(self, model):
+        """Note, once the first forward has returned (the root's own post-forward run), whether
+        the token embeddings are tied to the output layer, an FSDP unit of their own, held by the
+        root's unit, and still gathered (a plain tensor, not this process's DTensor shard)."""
+        try:
+            embeddings = model.get_input_embeddings()
+        except NotImplementedError:  # a model without them
+            return
+        if not isinstance(embeddings, torch.nn.Embedding):  # ViT's patch projection
+            return
+
+        def after_forward(module, args, output):
+            head = model.get_output_embeddings()
+            root = model._get_fsdp_state()._fsdp_param_group
+            self.notes["embeddings_after_forward"] = {
+                "tied": head is not None and head.weight is embeddings.weight,
+                "own_unit": isinstance(embeddings, FSDPModule),
+                "in_root": any(embeddings in (param._module_info.module, *param._module_info.shared_modules)
+                               for param in root.fsdp_params),
+                "gathered": not isinstance(embeddings.weight, DTensor)}
+            handle.remove()
+        handle = model.register_forward_hook(after_forward)
 
     def write(self, rank):
         self.notes["compiled_graphs"] = counters["stats"]["unique_graphs"]  # under --compile
