@@ -235,7 +235,7 @@ def test_each_scripts_switches_train_as_the_script(name, tmp_path, small_snippet
     step = STEPS[name]
     flags = [*QUICK, "--batch-size", "8", *(CAUSAL_LM if step.task else [])]  # micro-batches of 2
     script = unevaluated(name)
-    if step.task:
+    if step.task and not step.sharded:  # (a sharded step creates as 06 does: in its dtype)
         created_as_06(script)
     expected, _ = run_script(name, flags, tmp_path / "script", script)
     if step.sharded:  # as under torchrun, in a group of one
