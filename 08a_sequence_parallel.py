@@ -74,15 +74,18 @@ def sequence_parallel_attention(module, query, key, value, attention_mask, inner
     # (batch, heads, slice, size) to (batch, heads / N, whole sequence, size)
     query, key, value = (all_to_all(states, n) for states in (query, key, value))
     local = LocalHeads(module, heads // key.shape[1] // n)
-    output, _ = inner(local, query, key, value, None, **{**kwargs, "is_causal": True})
+    # causal, and no slice's positions (flash attention would read them as packed texts)
+    output, _ = inner(local, query, key, value, None, **{**kwargs, "is_causal": True,
+                                                          "position_ids": None})
     return all_to_all(output, n), None  # and back: (batch, slice, heads, size)
 
 
 def use_sequence_parallel_attention(model):  # sequence parallel: the model's attention, wrapped
-    inner = ALL_ATTENTION_FUNCTIONS.get(model.config._attn_implementation)  # sdpa's, usually
-    if inner is None:  # "eager", or an architecture's own code (BLOOM): causal only by its mask
-        raise SystemExit(f"error: {type(model).__name__}'s attention is its own, causal only by "
-                         "a mask: sequence parallelism needs sdpa's (is_causal); use another model")
+    name = model.config._attn_implementation  # sdpa, usually
+    inner = ALL_ATTENTION_FUNCTIONS.get(name)  # none for eager, or an architecture's own (BLOOM)
+    if inner is None or name == "flex_attention":  # each causal only by the mask
+        raise SystemExit(f"error: {type(model).__name__}'s attention ({name}) is causal only by a "
+                         "mask, which sequence parallelism leaves out; train it with 07, unsplit")
     AttentionInterface.register("sequence_parallel", partial(sequence_parallel_attention, inner=inner))
     model.config._attn_implementation = "sequence_parallel"  # no mask function: no mask made
 
