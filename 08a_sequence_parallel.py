@@ -28,7 +28,7 @@ from common.distributed import end_distributed, init_distributed
 from common.evaluate import evaluate
 from common.launch import train_or_estimate
 from common.memory import MemoryMeter, measure_creation
-from common.model import create_model, fill_shards, transformer_blocks
+from common.model import create_model, fill_shards, model_config, transformer_blocks  # sequence parallel
 from common.presets import preset_for
 from common.progress import Progress
 from common.summary import report
@@ -187,12 +187,13 @@ def own_flags(parser):  # gradient accumulation: this script's flag, beside comm
                      {"--world-size": (None, "WORLD_SIZE, or 1")})
 
 
-def check_split(args, world_size):  # sequence parallel
-    length = preset_for(args).max_length
-    if length % world_size or args.batch_size % args.accum_steps:
-        raise SystemExit(f"error: {length} tokens (--seq-len) in {world_size} slices, or --batch-size "
-                         f"{args.batch_size} in {args.accum_steps} micro-batches (--accum-steps), do "
-                         "not split evenly: use numbers that do")
+def check_split(args, world_size):  # sequence parallel: the texts' tokens, and the heads
+    length, heads = preset_for(args).max_length, model_config(preset_for(args)).num_attention_heads
+    if length % world_size or heads % world_size or args.batch_size % args.accum_steps:
+        raise SystemExit(f"error: {length} tokens (--seq-len) and {heads} attention heads in "
+                         f"{world_size} processes, or --batch-size {args.batch_size} in "
+                         f"{args.accum_steps} micro-batches (--accum-steps), do not split evenly: "
+                         "use numbers that do")
 
 
 def train_in_group(args, device):  # FSDP: one process per device, in a group

@@ -47,7 +47,8 @@ from common.distributed import end_distributed, init_distributed
 from common.evaluate import evaluate
 from common.launch import train_or_estimate
 from common.memory import HOST, MemoryMeter, measure_creation
-from common.model import classification_head, create_model, fill_shards, transformer_blocks
+from common.model import (classification_head, create_model, fill_shards, model_config,
+                          transformer_blocks)  # sequence parallel: model_config
 from common.presets import preset_for
 from common.progress import Progress
 from common.quirks import (BlockWrapper, check_output_layer_without_bias,
@@ -1181,12 +1182,13 @@ def sequence_loss(model, inputs, labels):  # sequence parallel
     return summed / (labels != IGNORED).sum() * n
 
 
-def check_split(args, world_size):  # sequence parallel
-    length = preset_for(args).max_length
-    if length % world_size or args.batch_size % args.accum_steps:
-        raise SystemExit(f"error: {length} tokens (--seq-len) in {world_size} slices, or --batch-size "
-                         f"{args.batch_size} in {args.accum_steps} micro-batches (--accum-steps), do "
-                         "not split evenly: use numbers that do")
+def check_split(args, world_size):  # sequence parallel: the texts' tokens, and the heads
+    length, heads = preset_for(args).max_length, model_config(preset_for(args)).num_attention_heads
+    if length % world_size or heads % world_size or args.batch_size % args.accum_steps:
+        raise SystemExit(f"error: {length} tokens (--seq-len) and {heads} attention heads in "
+                         f"{world_size} processes, or --batch-size {args.batch_size} in "
+                         f"{args.accum_steps} micro-batches (--accum-steps), do not split evenly: "
+                         "use numbers that do")
 
 
 # ---- 07-09 with the other switches: what sharding needs of them (10's own) --------------------

@@ -287,7 +287,8 @@ for name, needed in NEEDS.items():
     SWITCHES[name] = [*needed, *SWITCHES[name]]
 PAIRS = [(first, second) for one, other in itertools.combinations(GROUPS, 2)
          for first in one for second in other]
-TEXT_SWITCHES = {"chunked", "fused", "lora-rank", "qlora"}  # on a decoder: tiny-text, causal-lm
+TEXT_SWITCHES = {"chunked", "fused", "lora-rank", "qlora",  # on a decoder: tiny-text, causal-lm
+                 "sequence-parallel"}
 LR = ["--lr", "0.05"]  # updates large enough to show in every bfloat16 weight after two steps
 
 
@@ -416,6 +417,8 @@ def took_effect(name, module, took, record):
         "reshard-after-forward": lambda: took.reshard and not any(took.reshard[:-1]),
         "compile": lambda: is_compiled(model),
         "budget": lambda: all(block._compiled_call_impl is not None for block in blocks),
+        # attention through 08a's function, the model's mask left out
+        "sequence-parallel": lambda: model.config._attn_implementation == "sequence_parallel",
     }[name]()
 
 
@@ -497,6 +500,7 @@ STACKS = [
     ("accum-steps", "adamw-8bit", "selective"),
     ("chunked", "optimizer-in-backward", "full"),
     ("sgd", "offload", "full", "reshard-after-forward"),  # 09 at ZeRO-2's memory
+    ("sequence-parallel", "offload", "full", "accum-steps"),  # 08a with 08's and 09's
     ("qlora", "chunked", "offloaded", "accum-steps", "optimizer-on-host"),
     # a frozen output layer: no gradient made
     ("lora-rank", "fused", "gradients-to-host", "accum-steps", "selective"),

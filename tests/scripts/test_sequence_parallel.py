@@ -181,7 +181,7 @@ def test_the_cpu_estimate_of_two_processes_is_the_peak_of_process_0(name, estima
 # ---- what it refuses -----------------------------------------------------------------------------
 
 def test_a_length_that_does_not_split_stops_with_what_to_do():
-    with pytest.raises(EstimateError, match=r"48 tokens \(--seq-len\) in 5 slices"):
+    with pytest.raises(EstimateError, match=r"48 tokens \(--seq-len\) and 4 attention heads in 5 "):
         predict(script_path("08a"), ["--device", "cpu"], world_size=5)
 
 
