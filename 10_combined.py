@@ -14,6 +14,7 @@ code under its script's name. steps.py lists the switches that equal each script
   python %(prog)s --preset tiny-text --lora-rank 8 --qlora --accum-steps 4     # 07b
   torchrun --nproc_per_node=2 %(prog)s --accum-steps 4 --checkpointing full   # 07 with 09's
   python %(prog)s --offload --checkpointing full --estimate   # 09 as a group of one, predicted
+  torchrun --nproc_per_node=2 %(prog)s --task causal-lm --sequence-parallel   # each text in 2 slices
 """
 import argparse
 import math  # GaLore: the bias corrections
@@ -33,6 +34,8 @@ from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 from torch.utils.checkpoint import checkpoint  # checkpointing on one device
 # selective checkpointing: what to do with each operator's output, and the contexts that do it
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+from transformers import AttentionInterface  # sequence parallel: attention functions by name
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS  # sequence parallel
 from transformers.pytorch_utils import Conv1D  # LoRA: GPT-2's linear layers, weights transposed
 
 # --estimate runs main() on fake tensors with stand-ins for these names (no data, no download):
@@ -46,6 +49,7 @@ from common.launch import train_or_estimate
 from common.memory import HOST, MemoryMeter, measure_creation
 from common.model import (classification_head, create_model, fill_shards, transformer_blocks,
                           untied_token_embeddings)
+from common.model import model_config  # sequence parallel
 from common.presets import preset_for
 from common.progress import Progress
 from common.quirks import (BlockWrapper, check_output_layer_without_bias,
@@ -74,7 +78,7 @@ def launch(settings, device):
         return train(settings, device, created_on=device)
     _, world_size, device = init_distributed(device)  # FSDP: one process per device
     try:  # FSDP: release the group's connections (NCCL communicators) also on error
-        check_batch_split(settings, world_size)  # equal micro-batches on every process
+        settings.check_split(settings, world_size)  # equal micro-batches (08a: and slices) on every process
         # FSDP, on-device init: created as shapes only (meta), so that no device holds it all
         return train(settings, device, torch.device("meta"), dist.get_rank(), world_size)
     finally:
@@ -84,8 +88,9 @@ def launch(settings, device):
 def train(settings, device, created_on, rank=0, world_size=1):
     preset = preset_for(settings)  # the preset, with --model's classifier if one is named
     torch.manual_seed(settings.seed)
-    data = load_data(preset, settings.batch_size, device, seed=settings.seed,
-                     rank=rank, world_size=world_size)  # FSDP: each process takes its slice
+    data = load_data(preset, settings.batch_size, device, seed=settings.seed, rank=rank,
+                     world_size=world_size,  # FSDP: each process takes its slice of a batch
+                     same_train_batches=settings.sequence_parallel)  # 08a: of each text
     # optimizer steps (the last partial batch is dropped), or --max-steps
     total_steps = min(settings.epochs * len(data.train), settings.max_steps or math.inf)
 
@@ -301,6 +306,9 @@ SWITCHES = (
     Switch("--reshard-after-forward", dict(type=true_or_false, metavar="{true,false}", help=(
         "when sharded: true (default, ZeRO-3) frees each block's gathered weights after forward; "
         "false (ZeRO-2's memory) keeps them (07)")), {ANY: "07"}, tried=("false",)),
+    Switch("--sequence-parallel", dict(action="store_true", help=(
+        "--task causal-lm, sharded: each text split across the processes, attention by "
+        "all-to-alls (Ulysses, 08a); alone, a group of one process")), {True: "08a"}),
 )
 
 
@@ -314,9 +322,10 @@ def own_flags(parser):
 def launched_sharded(args):
     """Whether the run shards the model (07-09): under torchrun (which sets RANK and WORLD_SIZE;
     the estimate runs as its process 0), alone with WORLD_SIZE=1 (a group of one, as 07-09 run
-    alone), or with --offload, which runs alone as a group of one."""
+    alone), or with --offload or --sequence-parallel, which run alone as a group of one."""
     world = os.environ.get("WORLD_SIZE")
-    return args.offload or world is not None and ("RANK" in os.environ or world == "1")
+    return args.offload or args.sequence_parallel or world is not None and (
+        "RANK" in os.environ or world == "1")
 
 
 @dataclass(frozen=True)
@@ -356,11 +365,14 @@ def sharding_words(settings):
     """What shards this run, in words: --offload, torchrun, or a WORLD_SIZE=1 left set."""
     if settings.offload:
         return "--offload"
+    if settings.sequence_parallel and "RANK" not in os.environ:
+        return "--sequence-parallel"
     return "sharding (torchrun)" if "RANK" in os.environ else \
         "WORLD_SIZE=1 (set, it runs sharded as a group of one: unset it for a run without FSDP)"
 
 
-SHARDED = When(sharding_words, launched_sharded, "sharding (torchrun or --offload)")
+SHARDED = When(sharding_words, launched_sharded,
+               "sharding (torchrun, --offload or --sequence-parallel)")
 UNDER_TORCHRUN = When(sharding_words, lambda settings: launched_sharded(settings) and not settings.offload,
                       "sharding (torchrun)")
 UNSHARDED = When("without sharding", lambda settings: not launched_sharded(settings), "without sharding")
@@ -475,6 +487,10 @@ REFUSALS = (
      "nothing would be checked; leave one of them out"),
     (given("--reshard-after-forward"), UNSHARDED,
      "it says what FSDP does after a block's forward; run under torchrun or with --offload"),
+    (given("--sequence-parallel"), given("--task", "classification"),
+     "it splits each text for its next tokens, under causal attention; add --task causal-lm"),
+    (given("--sequence-parallel"), given("--loss", "chunked", "fused"),
+     "its loss is over each process's slice of the texts, as the model's own; use --loss model"),
 )
 
 
@@ -520,6 +536,8 @@ def resolved(args):
         reshard = True
     if settings.sharded and args.loss != "model":  # sharded switches: a loss of the blocks and
         loss = root_loss  # the output layer apart is the root's forward (apply_sharding)
+    if args.sequence_parallel:  # 08a: each process's slice of each text
+        loss = sequence_loss
     return Settings(**{**vars(settings), **dict(
         dtype=PRECISIONS[args.precision], compile=args.compile or bool(budget),
         memory_budget=float(budget or 1.0), lora_alpha=args.lora_alpha or 16.0,  # LoRA's default
@@ -527,7 +545,8 @@ def resolved(args):
         schedule=chosen.schedule,
         gradients_kept=GradientsToHost if args.gradients_to_host else GradientsOnTheDevice,
         lr=args.lr or chosen.rate(preset_for(args), args), stepped_weights=stepped_weights,
-        loss_of=loss, evaluation_loss=None if args.loss == "model" else loss)})  # evaluation: a model's own
+        loss_of=loss, evaluation_loss=None if args.loss == "model" else loss,  # evaluation: a model's own
+        check_split=check_split if args.sequence_parallel else check_batch_split)})
 
 
 def model_loss(model, inputs, labels):  # its own loss: over classes, or next tokens
@@ -1128,6 +1147,8 @@ def apply_sharding(model, settings, preset, device, world_size):  # FSDP
     if (embeddings := untied_token_embeddings(model)) is not None:  # (tied: in the root)
         fully_shard(embeddings, **shard_options, reshard_after_forward=settings.reshard_after_forward)
     fully_shard(model, **shard_options)  # the rest: final norm and head (not resharded after forward)
+    if settings.sequence_parallel:
+        use_sequence_parallel_attention(model)  # sequence parallel
     if settings.loss != "model":  # sharded switches: the loss is the root's forward, so FSDP
         # gathers the weights outside the blocks before it reads them
         model.forward = partial({"chunked": chunked_loss, "fused": fused_loss}[settings.loss], model)
@@ -1221,6 +1242,87 @@ def in_four_bits(layer):  # QLoRA
     four_bit.bias = layer.bias  # frozen, in bfloat16
     keep_training_layout(four_bit)  # on CPUs with AVX512-BF16 too (common/quirks.py)
     return four_bit.to(weight.device)  # quantized here; the bfloat16 weight is freed with `layer`
+
+
+# ---- 08a_sequence_parallel.py: sequence parallel -----------------------------------------------
+
+
+class AllToAll(torch.autograd.Function):  # sequence parallel
+    """Chunk i of dim 0 to process i, and process i's chunk in its place; the gradient goes back
+    the same way (it is its own transpose)."""
+
+    @staticmethod
+    def forward(ctx, sent):
+        received = torch.empty_like(sent)
+        dist.all_to_all_single(received, sent.contiguous())
+        return received
+
+    backward = forward
+
+
+def all_to_all(states, n):  # sequence parallel: part i of dim 1 to process i, and the parts
+    received = AllToAll.apply(torch.stack(states.chunk(n, dim=1)))  # received joined along
+    return torch.cat(received.unbind(), dim=2)  # dim 2, process 0's first
+
+
+class LocalHeads:  # sequence parallel: the attention module, with this process's head groups
+    def __init__(self, module, groups):
+        self.module, self.num_key_value_groups = module, groups
+
+    def __getattr__(self, name):
+        return getattr(self.module, name)
+
+
+def sequence_parallel_attention(module, query, key, value, attention_mask, inner, **kwargs):
+    """The model's own attention (`inner`) over the whole sequence for 1/N of the heads, causal,
+    without the model's mask; key-value heads that do not divide by N are repeated until they
+    do. Evaluating (no slices: each process its own texts, whole), `inner` as it is."""
+    if not module.training:
+        return inner(module, query, key, value, attention_mask, **kwargs)
+    n, heads = dist.get_world_size(), query.shape[1]
+    copies = n // math.gcd(key.shape[1], n)  # 1 where they divide
+    key, value = (states.repeat_interleave(copies, dim=1) for states in (key, value))
+    # (batch, heads, slice, size) to (batch, heads / N, whole sequence, size)
+    query, key, value = (all_to_all(states, n) for states in (query, key, value))
+    local = LocalHeads(module, heads // key.shape[1] // n)
+    # causal, and no slice's positions (flash attention would read them as packed texts)
+    output, _ = inner(local, query, key, value, None, **{**kwargs, "is_causal": True,
+                                                          "position_ids": None})
+    return all_to_all(output, n), None  # and back: (batch, slice, heads, size)
+
+
+def use_sequence_parallel_attention(model):  # sequence parallel: the model's attention, wrapped
+    name = model.config._attn_implementation  # sdpa, usually
+    inner = ALL_ATTENTION_FUNCTIONS.get(name)  # none for eager, or an architecture's own (BLOOM)
+    if inner is None or name == "flex_attention":  # each causal only by the mask
+        raise SystemExit(f"error: {type(model).__name__}'s attention ({name}) is causal only by a "
+                         "mask, which sequence parallelism leaves out; train it with 07, unsplit")
+    AttentionInterface.register("sequence_parallel", partial(sequence_parallel_attention, inner=inner))
+    model.config._attn_implementation = "sequence_parallel"  # no mask function: no mask made
+
+
+def sequence_loss(model, inputs, labels):  # sequence parallel
+    """This process's slice of each sequence through the model, at its global positions: its
+    labelled tokens' summed loss over the count of all processes' (each has every label), N times,
+    so that FSDP's mean of the processes' gradients is their sum."""
+    rank, n = dist.get_rank(), dist.get_world_size()
+    labels = F.pad(labels[:, 1:], (0, 1), value=IGNORED)  # shifted before the split
+    length = labels.shape[1] // n
+    kept = slice(rank * length, (rank + 1) * length)
+    positions = torch.arange(kept.start, kept.stop, device=labels.device).expand(len(labels), -1)
+    logits = model(input_ids=inputs["input_ids"][:, kept], position_ids=positions).logits
+    summed = F.cross_entropy(logits.float().flatten(0, 1), labels[:, kept].flatten(),
+                             ignore_index=IGNORED, reduction="sum")
+    return summed / (labels != IGNORED).sum() * n
+
+
+def check_split(args, world_size):  # sequence parallel: the texts' tokens, and the heads
+    length, heads = preset_for(args).max_length, model_config(preset_for(args)).num_attention_heads
+    if length % world_size or heads % world_size or args.batch_size % args.accum_steps:
+        raise SystemExit(f"error: {length} tokens (--seq-len) and {heads} attention heads in "
+                         f"{world_size} processes, or --batch-size {args.batch_size} in "
+                         f"{args.accum_steps} micro-batches (--accum-steps), do not split evenly: "
+                         "use numbers that do")
 
 
 # ---- 07-09 with the other switches: what sharding needs of them (10's own) --------------------

@@ -100,6 +100,8 @@ STEPS = {step.id: step for step in [
          switches=(*ACCUM, "--lora-rank", "8", "--qlora")),
     Step("08", "offload", "07", sharded=True, accum_steps=4,
          switches=(*ACCUM, "--optimizer", "sgd", "--offload")),
+    Step("08a", "sequence parallel", "07", sharded=True, accum_steps=4, task="causal-lm",
+         switches=(*ACCUM, "--optimizer", "sgd", "--sequence-parallel")),
     Step("09", "checkpointing", "08", sharded=True, accum_steps=4,
          switches=(*ACCUM, "--optimizer", "sgd", "--offload", "--checkpointing", "full")),
     # every technique behind a switch; it shards under torchrun (07's switches) or with --offload

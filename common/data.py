@@ -294,10 +294,12 @@ def make_loader(dataset, batch_size, shuffle, seed=0, rank=0, world_size=1, num_
                       pin_memory=pin_memory)
 
 
-def load_data(preset, batch_size, device, seed=0, rank=0, world_size=1):
+def load_data(preset, batch_size, device, seed=0, rank=0, world_size=1, same_train_batches=False):
     """Loaders for one process training on `device`: `batch_size` is the global batch, split
-    across `world_size` ranks. Batches are pinned only for a CUDA device (faster copies to it);
-    pinning creates a CUDA context, which a CPU run on a GPU machine must not."""
+    across `world_size` ranks (`same_train_batches`: every rank reads each training batch whole,
+    as sequence parallelism splits its sequences instead; evaluation's stay split). Batches are
+    pinned only for a CUDA device (faster copies to it); pinning creates a CUDA context, which a
+    CPU run on a GPU machine must not."""
     if preset.dataset == "digits":
         train, val, test = digits_datasets(preset.image_size)
         workers = 0
@@ -316,6 +318,7 @@ def load_data(preset, batch_size, device, seed=0, rank=0, world_size=1):
         workers = 4
     common = dict(rank=rank, world_size=world_size, num_workers=workers,
                   pin_memory=torch.device(device).type == "cuda")
-    return Data(train=make_loader(train, batch_size, shuffle=True, seed=seed, **common),
+    training = dict(common, rank=0, world_size=1) if same_train_batches else common
+    return Data(train=make_loader(train, batch_size, shuffle=True, seed=seed, **training),
                 val=make_loader(val, batch_size, shuffle=False, **common),
                 test=make_loader(test, batch_size, shuffle=False, **common))

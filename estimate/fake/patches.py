@@ -186,7 +186,10 @@ def reduce_scatters_copying_their_input():
     2-layer Llama under 09: 6.6% above the estimate without it). Synchronous calls only (FSDP's);
     not where a GPU is emulated (NCCL makes no copy). On the CPU gloo's worker thread lets go of
     the copy as the call returns, or at times a few operations later: then a run's peak may be
-    higher by up to the copy (tests/support/sharded_runs.py waits for the thread).
+    higher by up to the copy (tests/support/sharded_runs.py waits for the thread). An all-to-all
+    (08a) needs nothing here: gloo's of CPU tensors, as NCCL's, reads the input it is given and
+    writes the output it is given, copying neither (ProcessGroupGloo's AsyncAlltoallWork), so the
+    fake group's all_to_all_single counts as the real one (tested to the byte).
     """
     from torch.distributed import distributed_c10d
     original = distributed_c10d.reduce_scatter_single

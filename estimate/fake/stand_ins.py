@@ -129,8 +129,11 @@ class StandIns:
         """{name: its stand-in} for each of `names`."""
         return {name: getattr(self, name) for name in names}
 
-    def load_data(self, preset, batch_size, device=None, seed=0, rank=0, world_size=1):
+    def load_data(self, preset, batch_size, device=None, seed=0, rank=0, world_size=1,
+                  same_train_batches=False):
         run = self.run
+        if same_train_batches:  # every process reads each training batch whole (evaluation's
+            rank, world_size = 0, 1  # are not read: evaluate stands in)
         splits = splits_of(preset.dataset)  # as common/data.py splits it
         if splits is None:
             raise EstimateError(f"no sample count known for the data set {preset.dataset!r}; "

@@ -39,7 +39,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository, for steps.py
 from steps import STEPS, import_script  # noqa: E402
 
-COLLECTIVES = ("all_gather_single", "reduce_scatter_single", "all_reduce", "broadcast")
+COLLECTIVES = ("all_gather_single", "reduce_scatter_single", "all_reduce", "broadcast",
+               "all_to_all_single")
 LET_GO_TIMEOUT = 30  # seconds a worker thread may take to let go of a finished collective's tensors
 
 
