@@ -194,16 +194,9 @@ def published_tour(directory, results_dir):
                             "--results-dir", str(results_dir)])
 
 
-# docs/causal-lm's table lags (no 05h-05k, no combined rows): strict, so that publishing them
-# (python -m tour --preset tiny-text --task causal-lm --publish docs/causal-lm --steps 05h 05i
-# 05j 05k 10, their rows alone; the whole tour takes 20-25 min) turns this mark into a failure to
-# remove
-LAGGING = {"docs/causal-lm": "not yet published again since 05h-05k and 10 were added"}
 
 
-@pytest.mark.parametrize("directory", [
-    pytest.param(directory, marks=pytest.mark.xfail(strict=True, reason=LAGGING[directory]))
-    if directory in LAGGING else directory for directory in PUBLISHED])
+@pytest.mark.parametrize("directory", PUBLISHED)
 def test_each_published_tour_table_lists_every_row_its_tour_makes(directory, tmp_path):
     """The rows the tour's own commands make (every step and branch of its task, then the
     combined script twice), in its order, each ok and named with the machine; fails until the
