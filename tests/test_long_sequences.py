@@ -4,7 +4,9 @@ made; and positions past a config's own maximum (--max-positions), asked for by 
 import pytest
 import torch
 
-from conftest import QUICK, load_script
+from conftest import QUICK, load_script, run_script, unevaluated
+from estimate.predict import predict
+from steps import STEPS
 from support.architecture_matrix import model_flags, write_model
 
 CAUSAL_LM = ["--task", "causal-lm"]
@@ -53,13 +55,26 @@ def test_packing_a_classifiers_texts_is_refused_with_a_message(capsys):
     assert "add --task causal-lm" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("step", ["04", "05l"])
+def test_a_packed_run_trains_without_a_mask_and_its_estimate_is_its_runs_peak(step, tmp_path,
+                                                                              small_snippets):
+    """transformers, given no mask, builds none and asks attention for is_causal; a fake run
+    sees fake position ids and would say they restart (packed sequences), and build the mask:
+    the estimate answers as the real run does (estimate/fake_tensor_patches.py)."""
+    flags = [*CAUSAL_LM, "--pack", "--batch-size", "8", "--accum-steps", "2"]
+    real, _ = run_script(step, [*flags, *QUICK], tmp_path, unevaluated(step))
+    predicted = predict(STEPS[step].path, [*flags, "--device", "cpu"])
+    assert predicted["allocated_bytes"] == real["peak_memory_bytes"]
+    assert predicted["breakdown_bytes"] == real["breakdown_bytes"]
+
+
 # ---- --max-positions: past a config's own maximum -----------------------------------------------
 
 def test_a_length_past_the_models_positions_is_refused_naming_the_flag_that_extends_them(
         tmp_path, capsys):
     folder = write_model(tmp_path / "llama", "Llama")  # positions for 64 tokens
     with pytest.raises(SystemExit) as stopped:
-        load_script("04").main(["--model", str(folder), "--seq-len", "96", *QUICK])
+        load_script("05l").main(["--model", str(folder), "--seq-len", "96", *QUICK])
     assert stopped.value.code == 2
     assert "--max-positions 96 to stretch its rotary positions" in capsys.readouterr().err
 
@@ -87,3 +102,16 @@ def test_max_positions_for_positions_not_rotary_is_refused(name, words, tmp_path
     with pytest.raises(SystemExit):
         load_script("04").main([*model_flags(folder, name), "--max-positions", "128", *CAUSAL_LM])
     assert words in capsys.readouterr().err
+
+
+def test_a_run_past_the_configs_positions_trains_in_tiles_and_its_estimate_is_its_peak(
+        tmp_path, small_snippets):
+    """96 tokens, packed, where the config has positions for 64: 3 tiles of 32 a block."""
+    folder = write_model(tmp_path / "llama", "Llama")
+    flags = ["--model", str(folder), "--seq-len", "96", "--max-positions", "128", "--pack",
+             "--batch-size", "4", "--accum-steps", "2", *CAUSAL_LM]
+    real, meter = run_script("05l", [*flags, *QUICK], tmp_path, unevaluated("05l"))
+    assert real["steps"] == 2 and meter.model.config.max_position_embeddings == 128
+    predicted = predict(STEPS["05l"].path, [*flags, "--device", "cpu"])
+    assert predicted["allocated_bytes"] == real["peak_memory_bytes"]
+
