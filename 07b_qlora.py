@@ -78,6 +78,9 @@ def add_adapters(model, rank, alpha, targets=None):  # LoRA
     """Freeze `model`, put an adapter on each linear layer of its blocks (those named in
     `targets`, if given) and train the adapters and a classifier's new head; returns the names."""
     model.requires_grad_(False)
+    found = sorted({name.rpartition(".")[2] for block in transformer_blocks(model)  # the names
+                    for name, module in block.named_modules()  # --lora-targets may take
+                    if isinstance(module, (torch.nn.Linear, Conv1D))})
     adapted = []
     for block in transformer_blocks(model):
         for name, module in list(block.named_modules()):
@@ -92,11 +95,9 @@ def add_adapters(model, rank, alpha, targets=None):  # LoRA
                                      f"a --lora-rank well below {width} (8 by default)")
                 setattr(block.get_submodule(parent), attribute, LoRALinear(module, rank, alpha))
                 adapted.append(attribute)
-    if not adapted and targets:  # say the names there are
-        found = sorted({name.rpartition(".")[2] for block in transformer_blocks(model)
-                        for name, module in block.named_modules()
-                        if isinstance(module, (torch.nn.Linear, Conv1D))})
-        raise SystemExit(f"error: no linear layer in the model's blocks is named {' or '.join(targets)}; "
+    unknown = sorted(set(targets or ()) - set(adapted))  # (a name misspelled among right ones too)
+    if unknown:  # say the names there are
+        raise SystemExit(f"error: no linear layer in the model's blocks is named {' or '.join(unknown)}; "
                          f"theirs are named {' '.join(found)}: --lora-targets takes those")
     if not adapted:
         raise SystemExit("error: the model's blocks have no linear layer for LoRA to "

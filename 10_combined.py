@@ -348,10 +348,16 @@ def missing(flag):
     return When(f"without {flag}", lambda settings: not given(flag).holds(settings), f"without {flag}")
 
 
-SHARDED = When(lambda settings: "--offload" if settings.offload else "sharding (torchrun)",
-               launched_sharded, "sharding (torchrun or --offload)")
-UNDER_TORCHRUN = When("sharding (torchrun)",
-                      lambda settings: launched_sharded(settings) and not settings.offload,
+def sharding_words(settings):
+    """What shards this run, in words: --offload, torchrun, or a WORLD_SIZE=1 left set."""
+    if settings.offload:
+        return "--offload"
+    return "sharding (torchrun)" if "RANK" in os.environ else \
+        "WORLD_SIZE=1 (set, it runs sharded as a group of one: unset it for a run without FSDP)"
+
+
+SHARDED = When(sharding_words, launched_sharded, "sharding (torchrun or --offload)")
+UNDER_TORCHRUN = When(sharding_words, lambda settings: launched_sharded(settings) and not settings.offload,
                       "sharding (torchrun)")
 UNSHARDED = When("without sharding", lambda settings: not launched_sharded(settings), "without sharding")
 BUDGET = When("--checkpointing budget:F", lambda settings: settings.checkpointing.startswith("budget:"),
@@ -380,8 +386,10 @@ def where_to_get_bitsandbytes(settings):
 
 def unset_or_launch(settings):
     """unset WORLD_SIZE to train in one process, or start the script with torchrun"""
-    return ("unset WORLD_SIZE to train in one process, or start it with torchrun "
-            f"--nproc_per_node={os.environ['WORLD_SIZE']}")
+    world = os.environ["WORLD_SIZE"]
+    if not world.isdigit() or int(world) < 1:
+        return "it is no count of processes: unset WORLD_SIZE to train in one process"
+    return f"unset WORLD_SIZE to train in one process, or start it with torchrun --nproc_per_node={world}"
 
 
 # the switches that cannot train together: (when each of these holds, why, and what to do); the
@@ -1075,6 +1083,9 @@ def add_adapters(model, rank, alpha, targets=None):  # LoRA
     """Freeze `model`, put an adapter on each linear layer of its blocks (those named in
     `targets`, if given) and train the adapters and a classifier's new head; returns the names."""
     model.requires_grad_(False)
+    found = sorted({name.rpartition(".")[2] for block in transformer_blocks(model)  # the names
+                    for name, module in block.named_modules()  # --lora-targets may take
+                    if isinstance(module, (torch.nn.Linear, Conv1D))})
     adapted = []
     for block in transformer_blocks(model):
         for name, module in list(block.named_modules()):
@@ -1089,11 +1100,9 @@ def add_adapters(model, rank, alpha, targets=None):  # LoRA
                                      f"a --lora-rank well below {width}, such as 8")
                 setattr(block.get_submodule(parent), attribute, LoRALinear(module, rank, alpha))
                 adapted.append(attribute)
-    if not adapted and targets:  # say the names there are
-        found = sorted({name.rpartition(".")[2] for block in transformer_blocks(model)
-                        for name, module in block.named_modules()
-                        if isinstance(module, (torch.nn.Linear, Conv1D))})
-        raise SystemExit(f"error: no linear layer in the model's blocks is named {' or '.join(targets)}; "
+    unknown = sorted(set(targets or ()) - set(adapted))  # (a name misspelled among right ones too)
+    if unknown:  # say the names there are
+        raise SystemExit(f"error: no linear layer in the model's blocks is named {' or '.join(unknown)}; "
                          f"theirs are named {' '.join(found)}: --lora-targets takes those")
     if not adapted:
         raise SystemExit("error: the model's blocks have no linear layer for LoRA to "

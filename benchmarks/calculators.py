@@ -15,10 +15,10 @@ The published figures, and where they were read:
 
 - The 2023 study "Optimizing Memory Usage for Training LLMs and Vision Transformers in PyTorch"
   (ViT-L/16 finetuned on CIFAR-10 at 224 px, one A100, `torch.cuda.max_memory_reserved`,
-  GB = 10^9 bytes): estimate/published.py, STUDY_RESERVED_GB. Five of the six are in the
+  GB = 10^9 bytes): estimate/records.py, STUDY_RESERVED_GB. Five of the six are in the
   study's own log, https://github.com/rasbt/pytorch-memory-optim/blob/main/logs.md ("Memory
   used": 26.84 for its Fabric copy of 01, whose plain-PyTorch run logged 26.79; 18.21, 13.82,
-  5.69, 3.91); its SGD step's 2.02 is not in that log (estimate/published.py: the study's
+  5.69, 3.91); its SGD step's 2.02 is not in that log (estimate/records.py: the study's
   headline, "about 2 GB").
 - BERT-large (`bert-large-uncased` with a sequence-classification head, 512 random tokens, the
   `Trainer`'s defaults, a 16 GB V100, NVML's "used" memory in MiB): "Efficient Training on a
@@ -56,8 +56,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from estimate.published import STUDY_RESERVED_GB  # noqa: E402 (needs the path above)
-from estimate.records import ESTIMATE_FILE, GB, MIB  # noqa: E402
+from estimate.records import ESTIMATE_FILE, GB, MIB, STUDY_RESERVED_GB  # noqa: E402 (needs the path above)
 
 BERT_DIR = "docs/models/bert-large-uncased-eager"  # the 2022 attention code path (eager)
 BERT_LABELS = 2
@@ -86,7 +85,7 @@ class Row:
 
 
 def study_rows():
-    """The study's figures, as estimate/published.py holds them."""
+    """The study's figures, as estimate/records.py holds them."""
     rows = []
     for (script, batch, accum), published in STUDY_RESERVED_GB.items():
         label = f"batch {batch}" + (f" in {accum} micro-batches" if accum > 1 else "")
@@ -325,7 +324,7 @@ def footnotes(counts):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__,
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--jobs", type=int, default=2, help="estimates run at once (default: 2)")
     args = parser.parse_args(argv)

@@ -72,7 +72,7 @@ def in_mib(breakdown):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__,
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", default="tiny-text")
     parser.add_argument("--steps", nargs="+", default=["01", "04"])

@@ -11,7 +11,7 @@ does not count (estimate/compiled.py's measured_peak); "allocator" is the whole 
 05k compiles always, at each of --budgets. A script that refuses --compile says why. It prints a
 table (MiB), the measured peak over each side of the range, and whether it lies within the bound
 estimate/compiled.py's within_bound states; the tests check two rows of it
-(tests/test_compile.py, tests/estimate/test_compiled.py). The CPU run validates the graphs and
+(tests/scripts/test_compile.py, tests/estimate/test_compiled.py). The CPU run validates the graphs and
 their partition, not a GPU's kernels.
 """
 import argparse
@@ -68,7 +68,7 @@ def rows(presets, steps, budgets):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     parser.add_argument("--presets", nargs="+", default=["tiny", "tiny-text"])
     parser.add_argument("--steps", nargs="*", help="only these (default: every single-device script)")
     parser.add_argument("--budgets", nargs="+", type=float, default=[0.25, 0.5, 0.75])

@@ -28,7 +28,7 @@ def verdict(met):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__,
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--jobs", default="2", help="estimates run at once (default: 2)")
     parser.add_argument("--results-dir", default="results")

@@ -31,7 +31,7 @@ def launch(step, results_dir):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__,
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--runs", type=int, default=60, help="launches in all, spread over steps")
     parser.add_argument("--parallel", type=int, default=2, help="groups running at once")

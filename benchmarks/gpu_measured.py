@@ -181,7 +181,7 @@ def checked(folder, at_scale=False):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__,
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("part", choices=["measure", "compare", "checked"])
     parser.add_argument("folder", type=Path)

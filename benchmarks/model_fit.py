@@ -91,7 +91,7 @@ def ask_all(root, groups, label):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__,
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--only", choices=list(GROUPS), nargs="+", help="only these questions")
     parser.add_argument("--baseline", metavar="REF",

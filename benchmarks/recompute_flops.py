@@ -30,7 +30,7 @@ sys.path.insert(0, str(ROOT))
 
 from common.model import model_class, model_config, transformer_blocks  # noqa: E402
 from common.presets import PRESETS, is_text  # noqa: E402
-from estimate.fake_tensor_patches import FakeModeReadingZeros  # noqa: E402
+from estimate.fake.patches import FakeModeReadingZeros  # noqa: E402
 from steps import STEPS, import_script  # noqa: E402
 
 
@@ -84,7 +84,7 @@ def budget_partitions(preset, size, budgets):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     parser.add_argument("--presets", nargs="+", choices=list(PRESETS),
                         default=["tiny", "tiny-text", "article", "imdb"])
     parser.add_argument("--budgets", nargs="*", type=float, default=[1.0, 0.75, 0.5, 0.25, 0.0],

@@ -30,8 +30,7 @@ sys.path.insert(0, str(ROOT))
 
 from estimate import stack  # noqa: E402
 from estimate.command import main as estimate_main  # noqa: E402
-from estimate.fit import micro_row  # noqa: E402
-from estimate.predict import attempt  # noqa: E402
+from estimate.question import Question  # noqa: E402
 from estimate.records import GB, MIB  # noqa: E402
 from steps import STEPS  # noqa: E402
 
@@ -55,9 +54,9 @@ def accumulates(switches):
 def predicted(argv, micro, world=1):
     """The predicted A100 reserved bytes of 10_combined.py with `argv` in micro-batches of
     `micro` per process (two of them when the run accumulates, which peak as any number of
-    them do: estimate/fit.py), and None; or None and why not."""
+    them do: estimate/question.py), and None; or None and why not."""
     accumulates = "--optimizer-in-backward" not in argv
-    record, problem, _ = attempt(micro_row(COMBINED, argv, world, micro, accumulates, "a100"))
+    record, problem, _ = Question(COMBINED, argv, world, "a100", accumulates).answer(micro)
     return (record["reserved_bytes"], None) if record else (None, problem)
 
 
@@ -137,7 +136,7 @@ def article_table():
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__,
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("parts", nargs="*", choices=["chain", "stacks", "article"],
                         default=["chain", "stacks", "article"])

@@ -25,7 +25,7 @@ def verdict(met):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__,
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--results-dir", default="/tmp/tour-benchmark")
     parser.add_argument("tour_flags", nargs="*", help="passed to python -m tour")

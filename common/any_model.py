@@ -13,6 +13,7 @@ import functools
 import json
 from pathlib import Path
 
+from huggingface_hub.errors import StrictDataclassError
 from transformers import AutoConfig
 from transformers.models.auto.modeling_auto import (
     MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
@@ -80,6 +81,8 @@ def read_config(name_or_dir):
     """(config, has_weights) of a local model directory or a Hub id; a ModelProblem when there
     is none. A Hub id is looked up in the Hugging Face cache first, then on the Hub."""
     path = Path(name_or_dir).expanduser()
+    if path.is_file() and path.name == "config.json":  # the file itself named: its folder
+        path = path.parent
     try:
         if path.is_dir():
             if not (path / "config.json").is_file():
@@ -105,6 +108,10 @@ def read_config(name_or_dir):
         require_hub(what)
         with from_cache_when_offline(what):
             return AutoConfig.from_pretrained(name_or_dir), True
+    except StrictDataclassError as error:  # a config its own class refuses (heads, sizes)
+        reason = str(error).strip().splitlines()[-1].strip().removeprefix("ValueError: ")
+        raise ModelProblem(f"--model {name_or_dir}: its config.json is not one transformers can "
+                           f"build a model of ({reason}): fix its config.json") from None
     except ValueError as error:  # an unknown model_type, or one that needs trust_remote_code
         if isinstance(error, ModelProblem):
             raise
@@ -176,6 +183,18 @@ def with_model(preset, name_or_dir, seq_len=None, image_size=None, num_labels=No
             f"--model {name_or_dir}: a {config.model_type!r} model, for which transformers has "
             "no sequence or image classifier. The scripts train classifiers: architectures that "
             "AutoModelForSequenceClassification or AutoModelForImageClassification can build")
+    if getattr(config, "is_encoder_decoder", False):
+        raise ModelProblem(
+            f"--model {name_or_dir}: a {config.model_type!r} model is an encoder-decoder, whose "
+            "classifier reads each text's last end-of-text token through its decoder; the "
+            "scripts train encoders and decoders: name one (BERT, RoBERTa, GPT-2, Llama, ...)")
+    heads, groups = (getattr(config, name, None) for name in ("num_attention_heads",
+                                                               "num_key_value_heads"))
+    if isinstance(heads, int) and isinstance(groups, int) and groups and heads % groups:
+        raise ModelProblem(
+            f"--model {name_or_dir}: its config has {heads} attention heads and {groups} "
+            "key-value heads, and each key-value head serves an equal group of attention heads: "
+            f"give it a num_key_value_heads that divides {heads}")
     arguments = {key: value for key, value in config.to_diff_dict().items()
                  if key not in NOT_ARGUMENTS}
     asked = getattr(config, "_attn_implementation_internal", None)  # "attn_implementation"
@@ -212,8 +231,9 @@ def with_model(preset, name_or_dir, seq_len=None, image_size=None, num_labels=No
         raise ModelProblem(f"--max-positions {max_positions}: {name_or_dir} classifies images, "
                            "which have no sequence of positions: leave it out")
     else:
-        changes["image_size"] = image_size or getattr(config, "image_size", None) or preset.image_size
-        patch = getattr(config, "patch_size", None)
+        vision = getattr(config, "vision_config", None) or config  # CLIP, SigLIP: the image tower's
+        changes["image_size"] = image_size or getattr(vision, "image_size", None) or preset.image_size
+        patch = getattr(vision, "patch_size", None)
         if isinstance(patch, int) and changes["image_size"] % patch:  # a remainder is dropped
             size, fits = changes["image_size"], max(patch, changes["image_size"] // patch * patch)
             raise ModelProblem(f"--image-size {size}: {name_or_dir} cuts each image into patches "
@@ -221,4 +241,6 @@ def with_model(preset, name_or_dir, seq_len=None, image_size=None, num_labels=No
                                f"{patch}: ask for --image-size {fits}")
         if image_size and "image_size" in arguments:  # ViT's position embeddings follow it (new
             arguments["image_size"] = image_size       # ones, when pretrained ones do not fit)
+        if image_size and isinstance(arguments.get("vision_config"), dict):  # CLIP's likewise
+            arguments["vision_config"] = {**arguments["vision_config"], "image_size": image_size}
     return dataclasses.replace(preset, **changes)

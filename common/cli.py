@@ -193,7 +193,9 @@ def parse_args(description, argv=None, task=None, flags=None):
     optimizer's default from the preset. A script without --accum-steps runs one micro-batch a
     step (`args.accum_steps` is 1); with it, the batch must split into equal micro-batches.
     """
-    parser = argparse.ArgumentParser(description=description,
+    # no abbreviations: --world 2 would be taken for --world-size 2 where a script has it, and
+    # for nothing where another program (the stack's walk) looks for the flag by its name
+    parser = argparse.ArgumentParser(description=description, allow_abbrev=False,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add_shared_flags(parser, SCRIPT_FLAGS, {
         "--preset": (None, "tiny; tiny-text under --task causal-lm, or for a --model of text"),
@@ -253,6 +255,12 @@ def parse_args(description, argv=None, task=None, flags=None):
                      "learns one label a text: add --task causal-lm, or leave --pack out")
     if args.pack:  # no padding and no attention mask (common/data.py)
         preset = replace(preset, packed=True)
+    shortest = 3 if args.data == "synthetic" else 2  # (a synthetic text's last token is padding)
+    if args.task == "causal-lm" and preset.max_length < shortest:
+        parser.error(f"--seq-len {preset.max_length}: under --task causal-lm each token predicts the "
+                     f"next, so a text needs at least {shortest} tokens"
+                     + (" (--data synthetic pads its last one)" if args.data == "synthetic" else "")
+                     + f" for a loss: ask for --seq-len {shortest} or more")
     args.preset_settings = preset  # preset_for(args): the preset, resolved once
     args.epochs = args.epochs or preset.epochs
     args.batch_size = args.batch_size or preset.batch_size

@@ -13,7 +13,7 @@ code's included, and leaves compilation alone. The count starts where MemTracker
 the model's parameters, buffers and gradients and the optimizer's state alive when the step
 begins, adds everything allocated during the step and takes off what it frees. On the first
 step of 01 (float32, eager) both count the same peak to the byte but for the labels
-(tests/test_compile.py).
+(tests/scripts/test_compile.py).
 Elsewhere the allocator sees a little more and a little less: more, the buffers an operation
 allocates for itself and frees before returning, which MemTracker, seeing only what operations
 return, cannot (a bfloat16 matrix product on a CPU takes one: 0.19 MiB at the peak of 03's

@@ -54,6 +54,8 @@ def init_distributed(device):
     numbered by its local rank (its rank on this machine) and talks over nccl; on CPU over gloo.
     """
     launched_by_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    if launched_by_torchrun:
+        check_launch_environment()
     if device.type == "cuda":
         device = torch.device("cuda", cuda_index(int(os.environ.get("LOCAL_RANK", 0)),
                                                  torch.cuda.device_count(),
@@ -69,6 +71,27 @@ def init_distributed(device):
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
                                 device_id=device_id)
     return dist.get_rank(), dist.get_world_size(), device
+
+
+def check_launch_environment():
+    """Stop with one line where the variables a launcher sets cannot form a group (set by hand,
+    or left over); say what a process started by hand waits for (torchrun starts them all)."""
+    world, rank = os.environ["WORLD_SIZE"], os.environ["RANK"]
+    if not (world.isdigit() and int(world) >= 1 and rank.isdigit() and int(rank) < int(world)):
+        raise SystemExit(f"error: WORLD_SIZE={world} and RANK={rank} do not name a process of a "
+                         "group (WORLD_SIZE a count from 1, RANK from 0 to WORLD_SIZE - 1): start "
+                         "the script with torchrun --nproc_per_node=N, which sets them, or unset "
+                         "both to train in one process")
+    missing = [name for name in ("MASTER_ADDR", "MASTER_PORT") if name not in os.environ]
+    if missing:
+        raise SystemExit(f"error: WORLD_SIZE and RANK are set but {' and '.join(missing)} not: the "
+                         "processes meet at MASTER_ADDR:MASTER_PORT. Start the script with "
+                         "torchrun --nproc_per_node=N, which sets them all, or unset WORLD_SIZE "
+                         "and RANK to train in one process")
+    if int(world) > 1 and "TORCHELASTIC_RUN_ID" not in os.environ:  # started by hand
+        print(f"process {rank} of {world}: waiting at {os.environ['MASTER_ADDR']}:"
+              f"{os.environ['MASTER_PORT']} for the other {int(world) - 1} (each started with "
+              "its own RANK; torchrun starts them all)", file=sys.stderr, flush=True)
 
 
 def end_distributed():

@@ -11,10 +11,10 @@
 Each prediction runs the script's own main() for two optimizer steps (a run's peak falls within
 them) on fake tensors, which have shapes but no data, under the script's own MemoryMeter
 (PyTorch's MemTracker; FSDPMemTracker for sharded steps); only the helpers that need data, a
-network or other processes are stood in for (estimate/stand_ins.py). So a change to a script
+network or other processes are stood in for (estimate/fake/stand_ins.py). So a change to a script
 changes its prediction. The order in which the run allocated and freed its tensors is then
-replayed through a model of the CUDA caching allocator (estimate/caching_allocator.py and
-allocation_trace.py; estimate/gpu_choices.py lists every choice a GPU makes differently from
+replayed through a model of the CUDA caching allocator (estimate/replay/allocator.py and
+trace.py; estimate/gpu_choices.py lists every choice a GPU makes differently from
 the CPU) to give what `torch.cuda.max_memory_allocated`
 and `max_memory_reserved` would report, with a breakdown at the allocated peak.
 
@@ -27,7 +27,7 @@ a script's own --estimate, WORLD_SIZE if not given, else 1, as `python 07_fsdp.p
 Both write results/estimate.json (--results-dir): one record per script and setting, updated
 in place, so a single script's estimate keeps the others' records.
 """
-from estimate.estimate_flag import estimate
+from estimate.check import estimate
 from estimate.predict import predict
 
 __all__ = ["estimate", "predict"]

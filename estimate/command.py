@@ -14,21 +14,20 @@ import estimate
 from common.cli import add_shared_flags, parse_args, positive_int, unwritable
 from common.presets import PRESETS
 from estimate import records
-from estimate.fit import fit_table, parse_size, search_all, without_batch_flags
 from estimate.gpu_choices import DEFAULT_GPU, GPUS, gpu_problem
-from estimate.predict import EXACT_VARIABLE, Row, attempt, compiles, took_text
-from estimate.published import STUDY_RESERVED_GB
-from estimate.records import (
-    GB,
-    PER_PARAMETER_NOTE,
-    estimate_table,
-    in_study_setting,
-    read_estimate,
-    save_records,
-    size_text,
-)
-from estimate.workers import worker_pool
+from estimate.output import report_progress, rows_table, worker_pool
+from estimate.predict import EXACT_VARIABLE, Row, attempt, compiles
+from estimate.records import GB, PER_PARAMETER_NOTE, STUDY_RESERVED_GB, in_study_setting, save_records
+from estimate.search import walk
+from estimate.search.answers import chain_text, fit_table, stack_text
+from estimate.search.costs import Costs
+from estimate.search.fit import search_all, without_batch_flags
+from estimate.stack import COST
 from steps import STEPS, UnknownStep, select, step_of
+
+UNITS = {"": GB, "b": 1, "kb": 10**3, "mb": 10**6, "gb": GB, "tb": 10**12,
+         "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "k": 2**10, "m": 2**20,
+         "g": 2**30, "t": 2**40}
 
 
 def processes_for(batch_size, accum_steps, most):
@@ -69,7 +68,7 @@ def run_rows(rows, jobs):
                 for done, row in enumerate(rows)]
     import transformers.models.vit.modeling_vit  # noqa: F401
 
-    import estimate.fake_run  # noqa: F401 - imported once here, shared by the forked workers
+    import estimate.fake.run  # noqa: F401 - imported once here, shared by the forked workers
     outcomes = [None] * len(rows)
     # the workers share the imports; the longest rows start first
     with worker_pool(jobs, lambda: f"after {sum(map(bool, outcomes))} of {len(rows)} estimates: "
@@ -93,25 +92,6 @@ def expected_work(row):
     passes = int(accum) if accum else step_of(row.script).accum_steps
     compiled = 100 if compiles(row.script, row.argv) else 1
     return compiled * passes * (2 if step_of(row.script).sharded else 1)  # sharding doubles the operators
-
-
-def report_progress(done, row, outcome, total):
-    record, problem, seconds = outcome
-    state = f"{size_text(record['allocated_bytes'])} allocated" if record else "failed"
-    print(f"[{done + 1}/{total}] {row.label}: {state} ({took_text(seconds)})", flush=True)
-    return outcome
-
-
-def table(rows, outcomes, not_estimated=()):
-    """The Markdown table of all predictions, with the study's figure where there is one, a row
-    for each that failed and for each step in `not_estimated` (the notes say why)."""
-    made = [read_estimate(record) for record, _, _ in outcomes if record is not None]
-    failed = [(row.script.stem, " ".join(row.argv)
-               + (f", {row.world_size} processes" if row.world_size > 1 else ""),
-               "failed (see the note)")
-              for row, (record, _, _) in zip(rows, outcomes) if record is None]
-    not_run = [(step.name, "", "not estimated (see the note)") for step in not_estimated]
-    return estimate_table(made, [*failed, *not_run])
 
 
 def resources_used():
@@ -202,6 +182,16 @@ def parse_table_args(argv):
     return args
 
 
+def parse_size(text):
+    """Bytes in "24GB" (10^9), "24GiB" or "24G" (2^30), "80 GB", "16000MB"; ValueError if not."""
+    found = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
+    unit = found and found.group(2).lower()
+    if not found or unit not in UNITS or float(found.group(1)) <= 0:
+        raise ValueError(f"--gpu-memory {text!r}: expected a size such as 24GB, 24GiB or 80GB "
+                         "(GB = 10^9 bytes, GiB and G = 2^30; a GPU sold as 24 GB holds 24 GiB)")
+    return int(float(found.group(1)) * UNITS[unit])
+
+
 def parse_rate(text):
     """Bytes a second in "200GB/s" or "25GiB/s" (a size, as --gpu-memory reads one, a second;
     "/s" may be left out); ValueError, naming --interconnect, if not."""
@@ -289,7 +279,7 @@ def table_main(argv):
         outcomes = run_rows(rows, args.jobs)
         if args.gpu_memory is not None:
             fits = search_all(rows, outcomes, args.capacity, args.jobs,
-                              lambda script: step_of(script).accum_steps > 1)
+                              lambda script: step_of(script).accum_steps > 1, search_interrupted)
             chain, answer = the_stack(args, flags)
     records = [record for record, _, _ in outcomes if record]
     saved = save_records(args.results_dir, records) if records else None  # --quiet too
@@ -297,7 +287,7 @@ def table_main(argv):
                 if problem]
     status = 1 if failures else 0
     if args.quiet:  # the answer alone; a row that failed still says so, on standard error
-        print(answer if args.gpu_memory is not None else table(rows, outcomes, not_estimated))
+        print(answer if args.gpu_memory is not None else rows_table(rows, outcomes, not_estimated))
         for failure in failures:
             print(f"note: {failure}", file=sys.stderr)
         return status
@@ -308,7 +298,7 @@ def table_main(argv):
                   if fit.problem or fit.not_searched]
         notes += [f"{fit.script}: every size its search tried was estimated ({fit.not_by_sizes})"
                   for fit in fits if fit.not_by_sizes and not fit.problem]
-    print("\n" + table(rows, outcomes, not_estimated))
+    print("\n" + rows_table(rows, outcomes, not_estimated))
     print(f"\n{PER_PARAMETER_NOTE} On a GPU: its own bytes, without what 08-09 offload.")
     if args.gpu_memory is not None:
         print("\n" + chain)
@@ -322,6 +312,11 @@ def table_main(argv):
           f"{args.jobs} at a time); peak memory (RSS) {own:.2f} GB in this process"
           + (f", {workers:.2f} GB in the largest worker" if workers else ""))
     return status
+
+
+def search_interrupted():
+    """What Ctrl-C during the --gpu-memory search leaves."""
+    return f"during the --gpu-memory search: no table of what fits, and {records.KEPT} is as it was"
 
 
 @contextmanager
@@ -341,7 +336,6 @@ def the_stack(args, flags):
     import torch
 
     from common.model import model_class, model_config
-    from estimate import stack
     combined = STEPS["10"].path
     preset = PRESETS[args.preset] if args.model is None else parse_args(
         "", [*without_batch_flags(flags), "--preset", args.preset, "--estimate"]).preset_settings
@@ -353,11 +347,10 @@ def the_stack(args, flags):
     shown = [*(["--preset", args.preset] if args.model is None else []), *without_batch_flags(flags)]
     tokens = batch_size * (preset.max_length or (preset.image_size // 16) ** 2 or 1)
     shape = (config.num_hidden_layers, config.hidden_size, getattr(config, "vocab_size", 0))
-    costs = stack.Costs(parameters, tokens, *shape,
-                        interconnect=args.interconnect or stack.COST["interconnect_bytes_per_s"])
-    answer, adapters = stack.answer_all(combined, base, batch_size, args.stack_world_size,
-                                        args.capacity, args.task, args.gpu, args.jobs, costs=costs,
-                                        parameters=parameters, host_capacity=args.host_capacity)
-    return (stack.chain_text(args.task, parameters, tokens, shape, args.stack_world_size,
-                             costs.interconnect),
-            stack.stack_text(answer, shown, batch_size, args.capacity, args.gpu_memory, adapters))
+    costs = Costs(parameters, tokens, *shape,
+                  interconnect=args.interconnect or COST["interconnect_bytes_per_s"])
+    answer, adapters = walk.answer_all(combined, base, batch_size, args.stack_world_size,
+                                       args.capacity, args.task, args.gpu, args.jobs, costs=costs,
+                                       parameters=parameters, host_capacity=args.host_capacity)
+    return (chain_text(args.task, parameters, tokens, shape, args.stack_world_size, costs.interconnect),
+            stack_text(answer, shown, batch_size, args.capacity, args.gpu_memory, adapters))

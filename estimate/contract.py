@@ -1,6 +1,6 @@
 """The names a numbered script must import by name for `--estimate` to run it.
 
-`--estimate` runs the script's own main() on fake tensors (fake_run.py). Everything that decides
+`--estimate` runs the script's own main() on fake tensors (estimate/fake/run.py). Everything that decides
 memory (precision, batch, accumulation, optimizer, sharding, offload, checkpointing) is the
 script's own code; only the names below are replaced on the loaded script, because on fake
 tensors they would need data, a download, other processes or a screen. A script that renames,
@@ -18,7 +18,7 @@ class EstimateError(Exception):
 
 
 # name -> (module it comes from, what --estimate runs instead, and why); the stand-ins
-# (estimate/stand_ins.py) are exactly these, and only these are replaced
+# (estimate/fake/stand_ins.py) are exactly these, and only these are replaced
 REQUIRED = {
     "load_data": ("common.data", "batches of the preset's shapes, made when asked for: "
                   "no data set is read or downloaded"),
@@ -50,7 +50,7 @@ REQUIRED_WHEN_OFFLOADING = {
 REQUIRED_WHEN_4BIT = {
     "Params4bit": ("bitsandbytes.nn", "a plain frozen parameter with Params4bit's attributes"),
     "Linear4bit": ("bitsandbytes.nn", "bitsandbytes' own layer around that parameter, quantized "
-                   "by bitsandbytes' quantize_4bit on fake tensors (estimate/fake_4bit.py)"),
+                   "by bitsandbytes' quantize_4bit on fake tensors (estimate/fake/four_bit.py)"),
 }
 
 

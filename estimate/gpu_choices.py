@@ -6,7 +6,7 @@ here, explicitly, as PyTorch 2.13 (the version pinned here) makes it on an A100:
 
 - Host and device: on a CPU they are one memory; on a GPU, batches and a model built on the
   host take GPU memory only once `.to(device)` copies them. The fake run keeps the host side on
-  the meta device (stand_ins.py), so those copies happen and are counted.
+  the meta device (fake/stand_ins.py), so those copies happen and are counted.
 - Attention kernel, by dtype and GPU (`--gpu`, A100 by default): on compute capability 8.0 and
   later (A100, H100) float16/bfloat16 run flash attention, float32 runs the memory-efficient
   kernel (the first candidates of scaled_dot_product_attention). Below 8.0 (V100, T4) there is
@@ -34,10 +34,10 @@ here, explicitly, as PyTorch 2.13 (the version pinned here) makes it on an A100:
   Foreach Adam holds one temporary the size of all parameters at once (the square root of the
   second moment; the June 2023 build the study used held two); the for-loop one, one
   parameter's worth (`foreach_as_on_cuda`).
-- Allocation rounding: every block is a multiple of 512 bytes (`ALLOCATION_GRANULE`, caching_allocator.py).
+- Allocation rounding: every block is a multiple of 512 bytes (`ALLOCATION_GRANULE`, replay/allocator.py).
 - The caching allocator: freed blocks stay reserved and are reused by later requests that fit,
   so `max_memory_reserved` exceeds `max_memory_allocated` by the allocator's fragmentation
-  (`CachingAllocatorModel` in caching_allocator.py).
+  (`CachingAllocatorModel` in replay/allocator.py).
 - cuBLAS workspaces: each (thread, stream) pair that runs a matrix multiplication gets one from
   the caching allocator and keeps it: forward on the main thread, backward on autograd's
   device thread (`CUBLAS_WORKSPACES`), of 8.125 MiB each, or 32 MiB from Hopper on
@@ -69,7 +69,7 @@ import torch
 class Gpu:
     name: str
     capability: tuple  # CUDA compute capability: what kernels and dtypes run in hardware
-    multiprocessors: int  # SMs: bitsandbytes' 4-bit matmul picks its kernel by them (fake_4bit.py)
+    multiprocessors: int  # SMs: bitsandbytes' 4-bit matmul picks its kernel by them (fake/four_bit.py)
 
     @property
     def cublas_workspace_bytes(self):
@@ -88,7 +88,7 @@ class Gpu:
 class ReadGpu:
     """A Gpu whose properties a run reads are noted in `read` ({name: value}): what of the GPU
     entered a fake run's trace, so that a kept trace serves every GPU alike in those
-    (estimate/cache.py). The replay's own choices (the cuBLAS workspace) are not a run's."""
+    (estimate/shortcuts/cache.py). The replay's own choices (the cuBLAS workspace) are not a run's."""
 
     def __init__(self, gpu):
         self._gpu, self.read = gpu, {}

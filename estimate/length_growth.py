@@ -8,20 +8,22 @@ asked and one at about half of it are watched (a TorchFunctionMode) for tensors 
 makes with two dimensions equal to the run's length, neither broadcast (a stride of 0 holds no
 memory); made by the same function at the same dimensions in both runs, such a tensor grows with
 the length squared, and is reported with its size at the length asked. Each run is of one period
-of the model's blocks (blocks.py) where the model can be cut so, else of the whole model: the
+of the model's blocks (shortcuts/blocks.py) where the model can be cut so, else of the whole model: the
 tensors are the same in every period. A script's --estimate with --seq-len reports them.
 """
 import argparse
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
-from estimate.blocks import NotByBlocks
-from estimate.fake_run import run_on_fake_tensors
+from estimate.fake.run import run_on_fake_tensors
 from estimate.gpu_choices import DEFAULT_GPU
 from estimate.records import size_text
+from estimate.shortcuts.blocks import cut_for_probe
+from estimate.shortcuts.synthesis import NotByBlocks
 
 
 @dataclass(frozen=True)
@@ -92,7 +94,8 @@ def watched(script, argv, length, world_size, gpu):
     watch = LengthWatch(length)
     try:
         with watch:
-            run_on_fake_tensors(script, at_length(argv, length), world_size, gpu, probe=1)
+            run_on_fake_tensors(script, at_length(argv, length), world_size, gpu,
+                                cut=partial(cut_for_probe, periods_kept=1))
     except NotByBlocks:  # too few blocks to cut, or an architecture not cut: the whole model
         watch = LengthWatch(length)
         with watch:

@@ -6,19 +6,19 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from common.memory import model_state_bytes_per_parameter
-from estimate import cache
-from estimate.allocation_trace import replay
-from estimate.fake_run import (
+from estimate.fake.run import (
     EstimateError,
     run_on_fake_tensors,
     wants_cuda_emulation,
 )
 from estimate.gpu_choices import DEFAULT_GPU, GPUS, HOST_CATEGORIES_WHEN_OFFLOADED
-from estimate.kept_run import from_fake_run
-from estimate.probes import run_by_blocks
 from estimate.records import size_text
-from estimate.snapshot import Recorder
-from estimate.snapshot import write as write_snapshot
+from estimate.replay.snapshot import Recorder
+from estimate.replay.snapshot import write as write_snapshot
+from estimate.replay.trace import replay
+from estimate.shortcuts import cache
+from estimate.shortcuts.blocks import run_by_blocks
+from estimate.shortcuts.cache import from_fake_run
 from steps import step_of
 
 EXACT_VARIABLE = "ESTIMATE_EXACT"  # 1: every estimate runs whole (python -m estimate --exact)
@@ -31,7 +31,7 @@ class Row:
     argv: list
     world_size: int = 1
     gpu: str = DEFAULT_GPU  # the GPU emulated (without --device cpu): a key of GPUS
-    any_batch_size: bool = False  # the data set holds two batches of any size (fit.py's search)
+    any_batch_size: bool = False  # the data set holds two batches of any size (the search's)
     snapshot: str | None = None  # where the predicted memory snapshot goes (--memory-snapshot)
     exact: bool = False  # every micro-batch asked is run, not two (--exact)
     unfused: bool = False  # compiled: also the peak with nothing fused (compiled.py), a second run
@@ -46,9 +46,9 @@ def predict(script_path, argv, world_size=1, gpu=DEFAULT_GPU, any_batch_size=Fal
     """The estimate record for running `script_path` with its flags `argv` (on the GPU `gpu`, a
     key of GPUS, unless they say --device cpu); raises EstimateError. `any_batch_size`: the
     fake data set is as large as two batches of the size asked need. `snapshot`: a file for
-    the predicted memory snapshot of the steps (and its picture beside it: snapshot.py).
-    `exact`: run every micro-batch asked, not two (fake_run.MICRO_BATCHES_RUN), and the whole
-    model, not probes of a few of its blocks (blocks.py), to check. `unfused`: for a compiled
+    the predicted memory snapshot of the steps (and its picture beside it: replay/snapshot.py).
+    `exact`: run every micro-batch asked, not two (fake/run.py's MICRO_BATCHES_RUN), and the whole
+    model, not probes of a few of its blocks (shortcuts/blocks.py), to check. `unfused`: for a compiled
     run, run it again with nothing fused, for the bound above its prediction (compiled.py)."""
     row = Row(Path(script_path), list(argv), world_size, gpu, any_batch_size, snapshot, exact,
               unfused)
@@ -56,13 +56,13 @@ def predict(script_path, argv, world_size=1, gpu=DEFAULT_GPU, any_batch_size=Fal
 
 
 def run_for(row):
-    """The fake run a row asks for, as a KeptRun (kept_run.py): by blocks where the model's
+    """The fake run a row asks for, as a KeptRun (shortcuts/cache.py): by blocks where the model's
     blocks repeat, else whole; compiled, with its unfused bound where asked."""
     script_path, argv, world_size, gpu = row.script, row.argv, row.world_size, row.gpu
     exact = row.exact or os.environ.get(EXACT_VARIABLE) == "1"
     run, snapshot, any_batch_size = None, row.snapshot, row.any_batch_size
     if wants_cuda_emulation(argv) and not (exact or snapshot or compiles(script_path, argv)):
-        try:  # from runs of a few periods of the model's blocks (probes.py), where they repeat
+        try:  # from runs of a few periods of the model's blocks (shortcuts/blocks.py), where they repeat
             run = run_by_blocks(script_path, argv, world_size, gpu, any_batch_size,
                                 sharded=shards(script_path, argv, world_size))
         except Exception:  # noqa: BLE001 - NotByBlocks, or a probe's failure: run it whole
@@ -114,7 +114,7 @@ def record_of(kept, gpu=DEFAULT_GPU, snapshot=None):
         peak = replayed(kept, kept.events, gpu, recorder)
         allocated, reserved = peak.allocated_bytes, peak.reserved_bytes
         breakdown, host_bytes = peak.breakdown_bytes, peak.host_bytes
-        pinned_host_bytes = peak.pinned_host_bytes  # of it, pinned (allocation_trace.py)
+        pinned_host_bytes = peak.pinned_host_bytes  # of it, pinned (replay/trace.py)
         created = replay(kept.creation, "cpu", emulate_cuda=True, workspaces=False)
         init_allocated, init_reserved = created.allocated_bytes, created.reserved_bytes
         if snapshot:
@@ -148,13 +148,13 @@ def record_of(kept, gpu=DEFAULT_GPU, snapshot=None):
             "compiled": kept.compiled, "compiled_eagerly": kept.compiled_eagerly,
             "unfused_allocated_bytes": unfused if kept.fused else allocated,  # (not fused: the same)
             "fused": kept.fused, "batch_bytes": kept.batch_bytes,
-            # [blocks of the model, [blocks of each probe]] where probes stood for it (blocks.py)
+            # [blocks of the model, [blocks of each probe]] where probes stood for it (shortcuts/blocks.py)
             "blocks": kept.blocks and [kept.blocks[0], kept.blocks[1]]}
 
 
 def compiles(script_path, argv):
     """Whether the run compiles its model: --compile, 10's --checkpointing budget:F, or a
-    script that always does (05k): its probes would not show its blocks (blocks.py)."""
+    script that always does (05k): its probes would not show its blocks (shortcuts/blocks.py)."""
     try:
         always = step_of(script_path).compiles
     except KeyError:
@@ -197,7 +197,7 @@ def failure_message(error, script, argv=()):
 
 def attempt(row):
     """(record, None, seconds) or (None, message, seconds): the row's prediction or why it
-    failed, and the time it took (None: its run was kept from an earlier estimate, cache.py); a
+    failed, and the time it took (None: its run was kept from an earlier estimate, shortcuts/cache.py); a
     failure never escapes, so other rows still run."""
     kept, problem, seconds = attempt_run(row)
     return (record_of(kept, row.gpu, row.snapshot) if kept else None), problem, seconds
@@ -205,7 +205,7 @@ def attempt(row):
 
 def attempt_run(row, run=True):
     """(KeptRun, None, seconds) or (None, message, seconds), as attempt: the row's fake run,
-    kept from an earlier one (cache.py) where one still holds, else made and kept (unless not
+    kept from an earlier one (shortcuts/cache.py) where one still holds, else made and kept (unless not
     `run`: then (None, None, None))."""
     start = time.perf_counter()
     name = cache.key(row, row.exact or os.environ.get(EXACT_VARIABLE) == "1")
@@ -225,7 +225,3 @@ def attempt_run(row, run=True):
         cache.keep(name, kept)
     return kept, None, time.perf_counter() - start
 
-
-def took_text(seconds):
-    """How long an estimate took, in words (attempt's None: it was kept from an earlier one)."""
-    return "kept from an earlier estimate" if seconds is None else f"{seconds:.1f} s"

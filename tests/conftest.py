@@ -107,13 +107,13 @@ QUICK_SUBSET = {
     "a step is its parent plus one technique, its lines tagged": (
         "tests/repository/test_layout.py::test_every_changed_block_opens_with_its_steps_tag[03-04]",
         "tests/repository/test_layout.py::test_the_readme_lists_every_tag",
-        "tests/test_registry.py::test_a_branch_starts_from_the_parent_of_its_step"),
+        "tests/scripts/test_registry.py::test_a_branch_starts_from_the_parent_of_its_step"),
     "each technique does what it says": (
-        "tests/test_steps.py::test_accumulated_gradient_equals_the_whole_batch_gradient[tiny]",
-        "tests/test_steps.py::test_sgd_keeps_no_state_and_cosine_ends_at_zero",
-        "tests/test_steps.py::test_bf16_true_keeps_parameters_and_optimizer_state_in_bfloat16"),
+        "tests/scripts/test_steps.py::test_accumulated_gradient_equals_the_whole_batch_gradient[tiny]",
+        "tests/scripts/test_steps.py::test_sgd_keeps_no_state_and_cosine_ends_at_zero",
+        "tests/scripts/test_steps.py::test_bf16_true_keeps_parameters_and_optimizer_state_in_bfloat16"),
     "every run prints and records its peak, time and score": (
-        "tests/test_steps.py::test_written_record_matches_returned_one",),
+        "tests/scripts/test_steps.py::test_written_record_matches_returned_one",),
     "--estimate predicts a run's peak without a GPU": (
         "tests/estimate/test_estimate.py::test_the_recorded_order_replays_to_memtrackers_own_peak",
         "tests/estimate/test_cache.py::test_what_the_gpu_emulation_reads_is_what_it_keeps"),
@@ -123,12 +123,12 @@ QUICK_SUBSET = {
     "the stack: the first prefix of the chain that fits": (
         "tests/estimate/test_stack.py::test_the_cost_model_orders_the_links_within_their_group",),
     "the combined script holds every technique behind a switch": (
-        "tests/test_combined.py::test_every_technique_tag_is_in_the_combined_script",
-        "tests/test_combined.py::test_every_definition_of_the_appendix_is_its_scripts_or_says_why"),
+        "tests/scripts/test_combined.py::test_every_technique_tag_is_in_the_combined_script",
+        "tests/scripts/test_combined.py::test_every_definition_of_the_appendix_is_its_scripts_or_says_why"),
     "the calculators people use, beside the estimate": (
-        "tests/test_calculators.py::test_accelerate_trains_with_adam_in_4x_the_weights_bytes",),
+        "tests/benchmarks/test_calculators.py::test_accelerate_trains_with_adam_in_4x_the_weights_bytes",),
     "language models: evaluation and the chunked loss": (
-        "tests/test_causal_lm.py::test_evaluation_runs_a_piece_of_a_batch_at_a_time",),
+        "tests/scripts/test_causal_lm.py::test_evaluation_runs_a_piece_of_a_batch_at_a_time",),
     "a copied script needs only common/": (
         "tests/repository/test_layout.py::test_copying_a_script_lists_what_each_script_imports",),
     "the tour's report": ("tests/tour/test_tour.py::test_report_table_rows_ratios_and_failures",),
@@ -136,7 +136,7 @@ QUICK_SUBSET = {
         "tests/repository/test_docs.py::test_every_relative_link_resolves",
         "tests/repository/test_docs.py::test_the_readme_is_a_landing_page_that_links_every_chapter"),
     "no library warning a user cannot act on": (
-        "tests/test_library_warnings.py::test_memtrackers_own_warnings_are_silenced_and_no_other",),
+        "tests/common/test_library_warnings.py::test_memtrackers_own_warnings_are_silenced_and_no_other",),
 }
 
 
@@ -206,9 +206,10 @@ def quick_records(quick_runs):
     return {name: record for name, (record, _) in quick_runs.items()}
 
 
-# Steps 07-09 under torchrun, through tests/support/fsdp_probe.py (tests/test_distributed.py says more):
-# 2 tracked steps and one more; whole batches (no micro-batches), so that the activations
-# checkpointing saves outweigh the few hundred KiB by which the collectives' buffers vary
+# Steps 07-09 under torchrun, through tests/support/fsdp_probe.py (more in
+# tests/scripts/test_distributed.py): 2 tracked steps and one more; whole batches (no
+# micro-batches), so that the activations checkpointing saves outweigh the few hundred KiB by
+# which the collectives' buffers vary
 SHARDED_RUN = ["--epochs", "1", "--max-steps", "3", "--device", "cpu", "--accum-steps", "1"]
 WORLD_SIZE = 2
 LAUNCH_TIMEOUT = 150  # seconds for one group of processes; far above a normal run

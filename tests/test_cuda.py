@@ -86,7 +86,7 @@ def test_offload_keeps_pinned_shards_in_host_memory_on_a_gpu(tmp_path):
 @requires_cuda
 @pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability() < (8, 0),
                     reason="03 compiled needs bfloat16 hardware (compute capability 8.0); "
-                           "check_bfloat16 stops it on this GPU, as tests/test_gpu_support.py checks")
+                           "check_bfloat16 stops it on this GPU, as tests/common/test_gpu_support.py checks")
 def test_a_compiled_run_on_a_gpu_is_counted_from_the_allocators_events(tmp_path):
     record, _ = run_script("03", [*ON_GPU, "--compile"], tmp_path)
     assert record["memory_counted_by"] == "allocator events (torch.profiler)"

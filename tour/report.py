@@ -282,7 +282,7 @@ def write_report(results_dir):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__,
+    parser = argparse.ArgumentParser(description=__doc__, allow_abbrev=False,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("results_dir", nargs="?", default="results",
                         help="the directory with the JSON records (default: results)")

@@ -359,7 +359,7 @@ def move_results(staging, results_dir, responsible_for):
 def parse_args(argv=None, scripts_dir=None):
     """The tour's flags; `args.scripts` are the scripts --steps selects (steps.select), or with
     `scripts_dir` their stand-ins there (the tests' fakes)."""
-    parser = argparse.ArgumentParser(prog="python -m tour", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m tour", description=__doc__, allow_abbrev=False,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add_shared_flags(parser, ["--preset", "--task"], {
         "--preset": (DEFAULT_PRESET, f"{DEFAULT_PRESET}; tiny-text: the steps on text, without "

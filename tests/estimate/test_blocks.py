@@ -1,12 +1,13 @@
-"""The estimate by blocks (estimate/blocks.py): three runs of a few periods of a model's blocks
-written out to all of them give the bytes of the run of the whole model, which --exact runs."""
+"""The estimate by blocks (estimate/shortcuts/blocks.py, synthesis.py): three runs of a few periods of
+a model's blocks written out to all of them give the bytes of the run of the whole model, which
+--exact runs."""
 import re
 
 import pytest
 
 from conftest import script_path
-from estimate import blocks
 from estimate.predict import predict
+from estimate.shortcuts import blocks, synthesis
 from steps import STEPS
 from support.architecture_matrix import ARCHITECTURES, model_flags, write_model
 
@@ -98,11 +99,11 @@ def test_a_trace_the_rules_do_not_write_is_refused():
         events += [("free", storage) for storage in range(number - 1, 0, -1)]
         return events
 
-    written = blocks.extend([trace(2), trace(3), trace(4)], [2, 3, 4], 9)
-    assert blocks.renumbered(written) == blocks.renumbered(trace(9))
+    written = synthesis.extend([trace(2), trace(3), trace(4)], [2, 3, 4], 9)
+    assert synthesis.renumbered(written) == synthesis.renumbered(trace(9))
     broken = trace(4)[:-1]
-    with pytest.raises(blocks.NotByBlocks):
-        blocks.extend([trace(2), trace(3), broken], [2, 3, 4], 9)
+    with pytest.raises(synthesis.NotByBlocks):
+        synthesis.extend([trace(2), trace(3), broken], [2, 3, 4], 9)
 
 
 def test_a_region_found_a_few_events_late_starts_where_its_copies_mean_the_same(monkeypatch):
@@ -122,11 +123,11 @@ def test_a_region_found_a_few_events_late_starts_where_its_copies_mean_the_same(
         return events + [("alloc", number, 4, "cpu", "Optstate"), ("free", second),
                          ("free", first), ("free", number)]
 
-    written = blocks.extend([trace(2), trace(3), trace(4)], [2, 3, 4], 9)
-    assert blocks.renumbered(written) == blocks.renumbered(trace(9))
-    monkeypatch.setattr(blocks, "movable", lambda *args: False)
-    with pytest.raises(blocks.NotByBlocks, match="named differently"):
-        blocks.extend([trace(2), trace(3), trace(4)], [2, 3, 4], 9)
+    written = synthesis.extend([trace(2), trace(3), trace(4)], [2, 3, 4], 9)
+    assert synthesis.renumbered(written) == synthesis.renumbered(trace(9))
+    monkeypatch.setattr(synthesis, "movable", lambda *args: False)
+    with pytest.raises(synthesis.NotByBlocks, match="named differently"):
+        synthesis.extend([trace(2), trace(3), trace(4)], [2, 3, 4], 9)
 
 
 def test_a_region_found_late_moves_where_another_region_frees_its_storages(monkeypatch):
@@ -150,16 +151,16 @@ def test_a_region_found_late_moves_where_another_region_frees_its_storages(monke
                        ("free", loss if index == count - 1 else made[index + 1][0])]
         return events + [("free", head), ("free", made[0][0])]
 
-    written = blocks.extend([trace(2), trace(3), trace(4)], [2, 3, 4], 9)
-    assert blocks.renumbered(written) == blocks.renumbered(trace(9))
-    learn = blocks.learn
+    written = synthesis.extend([trace(2), trace(3), trace(4)], [2, 3, 4], 9)
+    assert synthesis.renumbered(written) == synthesis.renumbered(trace(9))
+    learn = synthesis.learn
 
     def naming_the_failing_events_region_only(probes):
         try:
             return learn(probes)
-        except blocks.NoRule as problem:
+        except synthesis.NoRule as problem:
             problem.regions = problem.regions[:1]
             raise
-    monkeypatch.setattr(blocks, "learn", naming_the_failing_events_region_only)
-    with pytest.raises(blocks.NotByBlocks, match="named differently"):
-        blocks.extend([trace(2), trace(3), trace(4)], [2, 3, 4], 9)
+    monkeypatch.setattr(synthesis, "learn", naming_the_failing_events_region_only)
+    with pytest.raises(synthesis.NotByBlocks, match="named differently"):
+        synthesis.extend([trace(2), trace(3), trace(4)], [2, 3, 4], 9)

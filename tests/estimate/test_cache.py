@@ -1,4 +1,4 @@
-"""Runs kept on disk (estimate/cache.py): a row asked again is answered from the trace of its
+"""Runs kept on disk (estimate/shortcuts/cache.py): a row asked again is answered from the trace of its
 first run, replayed for any GPU that reads as the first did; anything its bytes depend on (its
 flags, the script, the model's config, a module it loaded, a library it imported, the kernels'
 environment, the GPU's properties the run read) makes a new run."""
@@ -12,9 +12,9 @@ import zlib
 import pytest
 
 from conftest import ROOT, script_path
-from estimate import cache
 from estimate.gpu_choices import GPUS
 from estimate.predict import Row, attempt, attempt_run, predict
+from estimate.shortcuts import cache
 
 
 @pytest.fixture
@@ -98,7 +98,7 @@ def test_the_modules_and_libraries_a_run_loaded_are_found_from_it_and_checked(ke
     attempt(row)
     [variant] = cache.read(cache.key(row, False))
     for found in ("04_grad_accum.py", "common/model.py", "common/memory.py", "steps.py",
-                  "estimate/fake_run.py", "estimate/allocation_trace.py"):
+                  "estimate/fake/run.py", "estimate/replay/trace.py"):
         assert found in variant["sources"]
     assert {"torch", "transformers"} <= set(variant["distributions"])
     kept_changed(row, lambda variant: variant["sources"].update({"common/model.py": "0" * 64}))

@@ -40,7 +40,7 @@ def test_05k_compiled_on_the_cpu_keeps_what_its_partition_saves_and_its_estimate
     the bound its estimate states (estimate/compiled.py).
 
     oneDNN off: on a CPU with AMX its bfloat16 convolution backward takes scratch buffers that
-    no tensor holds (tests/test_compile.py), outside what the estimate bounds."""
+    no tensor holds (tests/scripts/test_compile.py), outside what the estimate bounds."""
     flags = ["--epochs", "1", "--max-steps", "2", "--accum-steps", "1", "--memory-budget", "0.25", *CPU]
     with torch.backends.mkldnn.flags(enabled=False):
         record, _ = run_script("05k", flags, tmp_path)

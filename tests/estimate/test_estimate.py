@@ -2,7 +2,7 @@
 
 The key claim, that with no GPU emulation (--device cpu) the estimate equals the peak the real run
 of the same script measures (the fake run executes the script's own code), is tested on every
-architecture and step in tests/test_architectures.py.
+architecture and step in tests/scripts/test_architectures.py.
 """
 import json
 import subprocess
@@ -14,14 +14,14 @@ import torch
 from common.model import model_class, model_config
 from common.presets import PRESETS
 from conftest import ROOT, TEXT, load_script, model_state_bytes, script_path
-from estimate.allocation_trace import ALLOC, replay
-from estimate.caching_allocator import MEDIUM_SEGMENT, SMALL_REQUEST, SMALL_SEGMENT, CachingAllocatorModel
+from estimate.check import estimate
 from estimate.command import main as estimate_table
 from estimate.command import run_rows
-from estimate.estimate_flag import estimate
-from estimate.fake_run import EstimateError, run_on_fake_tensors
+from estimate.fake.run import EstimateError, run_on_fake_tensors
 from estimate.gpu_choices import CUBLAS_WORKSPACE_BYTES, CUBLAS_WORKSPACES, GPUS
 from estimate.predict import Row, predict
+from estimate.replay.allocator import MEDIUM_SEGMENT, SMALL_REQUEST, SMALL_SEGMENT, CachingAllocatorModel
+from estimate.replay.trace import ALLOC, replay
 
 NO_EMULATION = ["--device", "cpu"]
 
@@ -220,7 +220,7 @@ def test_the_table_covers_each_script_and_its_world_size(tmp_path, capsys):
     assert status == 0
     table = capsys.readouterr().out
     assert "| 02_mixed_precision |" in table and "2 GPUs" in table and "wall time" in table
-    # 07's branches: 07b's 4-bit weights too (stood in for: estimate/fake_4bit.py)
+    # 07's branches: 07b's 4-bit weights too (stood in for: estimate/fake/four_bit.py)
     assert "| 07b_qlora (branch of 07a) | batch" in table and "not estimated" not in table
     assert "| model state B/param | activations |" in table
     records = {record["script"]: record for record in
@@ -343,8 +343,8 @@ def test_a_broken_contract_stops_the_estimate_naming_the_name(tmp_path, old, new
 
 def test_the_estimate_stands_in_for_exactly_the_names_of_the_contract():
     from estimate.contract import REQUIRED, REQUIRED_WHEN_DISTRIBUTED, REQUIRED_WHEN_OFFLOADING
-    from estimate.fake_run import FakeRun
-    from estimate.stand_ins import StandIns
+    from estimate.fake.run import FakeRun
+    from estimate.fake.stand_ins import StandIns
     # one public name of StandIns for each name of the contract (bitsandbytes': fake_4bit.py)
     own = {name for name in vars(StandIns) if not name.startswith("_")} - {"by_name"}
     assert own == (REQUIRED.keys() | REQUIRED_WHEN_DISTRIBUTED.keys()

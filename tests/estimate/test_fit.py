@@ -6,8 +6,10 @@ import sys
 import pytest
 
 from conftest import ROOT, script_path
-from estimate.fit import Fit, accumulation_for, parse_size, search, search_by_estimates
+from estimate.command import parse_size
 from estimate.predict import Row, attempt, predict
+from estimate.question import Question
+from estimate.search.fit import Fit, accumulation_for, search, search_by_estimates
 
 SMALL_BERT = dict(model_type="bert", vocab_size=30522, hidden_size=64, num_hidden_layers=2,
                   num_attention_heads=2, intermediate_size=128)
@@ -65,7 +67,7 @@ def test_the_search_finds_a_size_that_fits_and_one_more_that_does_not(script, ac
                                    *(["--accum-steps", "2"] if accumulates else [])])
                  for size in (1, 4))
     capacity = (one + four) // 2  # somewhere between one sample and four
-    found = search(script_path(script), base, 1, capacity, accumulates)
+    found = search(Question(script_path(script), base, accumulates=accumulates), capacity)
     assert len(found.tried) <= 6  # the line through allocated bytes lands near the answer
     assert found.problem is None and found.largest >= 1 and not found.capped
     largest, more = (found.largest, found.largest + (1 if found.largest < 32 else 8))
@@ -76,7 +78,8 @@ def test_the_search_finds_a_size_that_fits_and_one_more_that_does_not(script, ac
 
 
 def test_nothing_fits_when_one_sample_does_not(bert):
-    found = search(script_path("03"), ["--model", bert, "--device", "cuda"], 1, 2**20, False)
+    found = search(Question(script_path("03"), ["--model", bert, "--device", "cuda"], accumulates=False),
+                   2**20)
     assert found.largest is None and found.problem is None
 
 
@@ -108,8 +111,8 @@ def test_a_search_for_an_asked_batch_stops_at_it(cap, fits_up_to, largest, estim
     def line(row):
         micro = int(row.argv[row.argv.index("--batch-size") + 1]) // 2  # two micro-batches
         return {"allocated_bytes": 100 + 10 * micro, "reserved_bytes": 100 + 10 * micro}, None, 0.0
-    monkeypatch.setattr("estimate.fit.attempt", line)
-    found = search_by_estimates(script_path("04"), [], 1, 100 + 10 * fits_up_to, True, cap=cap)
+    monkeypatch.setattr("estimate.question.attempt", line)
+    found = search_by_estimates(Question(script_path("04"), []), 100 + 10 * fits_up_to, cap=cap)
     assert (found.largest, found.capped) == (largest, largest == cap)
     assert max(found.tried) <= cap and found.problem is None
     if estimates:
@@ -126,7 +129,7 @@ def killed(item):
 
 
 def test_a_worker_that_dies_stops_the_work_with_what_to_do():
-    from estimate.workers import in_order
+    from estimate.output import in_order
     with pytest.raises(SystemExit, match="a worker process died .* after 0 of 2 estimates.*--jobs 1"):
         list(in_order(killed, [1, 2], 2, lambda: "after 0 of 2 estimates"))
 
@@ -147,8 +150,8 @@ def test_the_search_finds_the_largest_that_fits_from_any_first_guess(capacity, h
     def step(row):
         allocated, reserved = two_phase(int(row.argv[row.argv.index("--batch-size") + 1]) // 2)
         return {"allocated_bytes": allocated, "reserved_bytes": reserved}, None, 0.0
-    monkeypatch.setattr("estimate.fit.attempt", step)
-    found = search_by_estimates(script_path("04"), [], 1, capacity, True, {8: two_phase(8)},
+    monkeypatch.setattr("estimate.question.attempt", step)
+    found = search_by_estimates(Question(script_path("04"), []), capacity, {8: two_phase(8)},
                                 per_sample=hint)
     grid = [size for size in range(1, 5000) if size < 32 or size % 8 == 0]
     fitting = [size for size in grid if two_phase(size)[1] <= capacity]
@@ -165,9 +168,9 @@ def test_a_good_first_guess_saves_an_estimate(hint, most, monkeypatch):
         micro = int(row.argv[row.argv.index("--batch-size") + 1]) // 2
         return {"allocated_bytes": 1_000_000 + 700_000 * micro,
                 "reserved_bytes": 1_000_000 + 700_000 * micro}, None, 0.0
-    monkeypatch.setattr("estimate.fit.attempt", line)
+    monkeypatch.setattr("estimate.question.attempt", line)
     capacity = 1_000_000 + 700_000 * 20 + 1
     known = {8: (1_000_000 + 700_000 * 8,) * 2}
-    found = search_by_estimates(script_path("04"), [], 1, capacity, True, known, per_sample=hint)
+    found = search_by_estimates(Question(script_path("04"), []), capacity, known, per_sample=hint)
     assert found.largest == 20 and len(found.tried) == most
 

@@ -1,4 +1,4 @@
-"""Host memory on an emulated GPU (estimate/allocation_trace.py): what a GPU's run pins (copies out
+"""Host memory on an emulated GPU (estimate/replay/trace.py): what a GPU's run pins (copies out
 of the GPU, the optimizer's weights on the host, FSDP's offloaded shards) counted as PyTorch's
 caching host allocator holds it, each request rounded up to a power of two and a freed block kept
 for the next request of its size; the rest of the host memory (the optimizer's state there)
@@ -10,10 +10,10 @@ import torch
 from common.model import model_class, model_config
 from common.presets import PRESETS
 from conftest import script_path
-from estimate.allocation_trace import ALLOC, FREE, LABEL, PINNED, replay
-from estimate.caching_allocator import HostAllocatorModel, pinned_size
 from estimate.gpu_choices import HOST_CATEGORIES_WHEN_OFFLOADED
 from estimate.predict import predict
+from estimate.replay.allocator import HostAllocatorModel, pinned_size
+from estimate.replay.trace import ALLOC, FREE, LABEL, PINNED, replay
 
 
 def parameter_shapes(preset_name):

@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 
-from estimate.estimate_flag import estimate
+from estimate.check import estimate
 from estimate.gpu_choices import GPUS, gpu_attention
 from estimate.length_growth import LengthWatch, at_length, squares
 from steps import STEPS

@@ -1,7 +1,7 @@
-"""07b's estimate: bitsandbytes' 4-bit weights stood in for on fake tensors (estimate/fake_4bit.py).
+"""07b's estimate: bitsandbytes' 4-bit weights stood in for on fake tensors (estimate/fake/four_bit.py).
 
 The stand-in holds the tensors bitsandbytes stores, byte for byte (on the CPU 07b's estimate equals
-its run's peak and breakdown to the byte on every architecture: tests/test_architectures.py); on a
+its run's peak and breakdown to the byte on every architecture: tests/scripts/test_architectures.py); on a
 GPU, forward also holds the bfloat16 copy of
 the weight that CUDA's gemm_4bit makes where it does not run its fused kernel.
 """
@@ -15,8 +15,8 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from common.memory import FrozenWeightsMemTracker
 from common.model import quantization_tensors
 from conftest import load_script
-from estimate.fake_4bit import fused_on_gpu, stand_ins
-from estimate.fake_tensor_patches import swappable_fake_parameters
+from estimate.fake.four_bit import fused_on_gpu, stand_ins
+from estimate.fake.patches import swappable_fake_parameters
 from estimate.gpu_choices import GPUS
 
 # outputs x inputs: whole blocks of 64; a part block and scales not in whole groups of 256

@@ -1,5 +1,5 @@
-"""Traces for any micro-batch size (estimate/sizes.py) and the --gpu-memory search built on them
-(estimate/fit.py): a trace written from runs at a few sizes is the run at that size, event for
+"""Traces for any micro-batch size (estimate/shortcuts/sizes.py) and the --gpu-memory search built
+on them (estimate/search/fit.py): a trace written from runs at a few sizes is the run at that size, event for
 event, on every architecture; a choice made by the size is caught; the search's answer is the
 one a search of estimates gives."""
 import re
@@ -7,9 +7,11 @@ import re
 import pytest
 
 from conftest import script_path
-from estimate.fit import micro_row, next_size, search, search_by_estimates
 from estimate.predict import predict, record_of, run_for
-from estimate.sizes import Family, NotBySizes, canonical
+from estimate.question import Question
+from estimate.search.fit import search, search_by_estimates
+from estimate.search.grid import next_size
+from estimate.shortcuts.sizes import Family, NotBySizes, canonical
 from support.architecture_matrix import ARCHITECTURES, model_flags, write_model
 
 COMPARED = ("allocated_bytes", "reserved_bytes", "breakdown_bytes", "host_bytes",
@@ -19,8 +21,8 @@ COMPARED = ("allocated_bytes", "reserved_bytes", "breakdown_bytes", "host_bytes"
 
 def runs(step, flags, sizes, world_size=1, accumulates=True):
     """{size: KeptRun} of `step` at micro-batches of each of `sizes` (as the search runs them)."""
-    return {size: run_for(micro_row(script_path(step), flags, world_size, size, accumulates))
-            for size in sizes}
+    question = Question(script_path(step), flags, world_size, accumulates=accumulates)
+    return {size: run_for(question.row(size)) for size in sizes}
 
 
 def assert_written_is_run(step, flags, world_size=1, accumulates=True):
@@ -93,12 +95,12 @@ def test_the_search_by_sizes_finds_the_largest_that_fits_each_size_estimated(ste
     at = {size: record_of(kept)["reserved_bytes"]
           for size, kept in runs(step, flags, (2, 200), world_size, accumulates).items()}
     capacity = (at[2] + at[200]) // 2
-    found = search(script_path(step), flags, world_size, capacity, accumulates)
+    found = search(Question(script_path(step), flags, world_size, accumulates=accumulates), capacity)
     assert found.problem is None and found.not_by_sizes is None and found.written
     assert 2 < found.largest < 200
     assert found.tried[found.largest][1] <= capacity < found.tried[next_size(found.largest)][1]
     for size in (found.largest, next_size(found.largest)):
-        row = micro_row(script_path(step), flags, world_size, size, accumulates)
+        row = Question(script_path(step), flags, world_size, accumulates=accumulates).row(size)
         exact = predict(row.script, row.argv, world_size=world_size, any_batch_size=True,
                         exact=True)
         assert (exact["allocated_bytes"], exact["reserved_bytes"]) == found.tried[size]
@@ -106,14 +108,14 @@ def test_the_search_by_sizes_finds_the_largest_that_fits_each_size_estimated(ste
 
 def test_a_search_of_a_size_dependent_run_estimates_every_size(llama):
     flags = causal(llama, 13)
-    at = record_of(run_for(micro_row(script_path("05h"), flags, 1, 8, True)))["reserved_bytes"]
-    found = search(script_path("05h"), flags, 1, at, True)
+    at = record_of(run_for(Question(script_path("05h"), flags).row(8)))["reserved_bytes"]
+    found = search(Question(script_path("05h"), flags), at)
     assert found.not_by_sizes and "fused loss" in found.not_by_sizes and not found.written
     assert found.largest >= 8 and found.tried[found.largest][1] <= at
 
 
 def test_the_search_stops_when_one_sample_does_not_fit():
-    found = search(script_path("03"), ["--device", "cuda"], 1, 2**20, False)
+    found = search(Question(script_path("03"), ["--device", "cuda"], accumulates=False), 2**20)
     assert found.largest is None and found.problem is None and 1 in found.tried
 
 
@@ -126,10 +128,10 @@ def test_a_later_question_between_the_sizes_run_is_answered_from_kept_runs_alone
     flags = [*model_flags(folder, "BERT"), "--device", "cuda"]
     at = {size: record_of(kept)["reserved_bytes"]
           for size, kept in runs("04", flags, (2, 400)).items()}
-    first = search(script_path("04"), flags, 1, (at[2] + at[400]) // 2, True)
+    first = search(Question(script_path("04"), flags), (at[2] + at[400]) // 2)
     assert first.estimated >= 2 and first.not_by_sizes is None
     lower = (at[2] + first.tried[first.largest][1]) // 2  # an answer between the sizes run
-    again = search(script_path("04"), flags, 1, lower, True)
+    again = search(Question(script_path("04"), flags), lower)
     assert again.estimated == 0 and again.written and 2 <= again.largest < first.largest
-    exact = search_by_estimates(script_path("04"), flags, 1, lower, True)
+    exact = search_by_estimates(Question(script_path("04"), flags), lower)
     assert exact.largest == again.largest

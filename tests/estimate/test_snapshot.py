@@ -7,9 +7,9 @@ import pytest
 from torch.cuda import _memory_viz
 
 from conftest import QUICK, run_script, script_path
-from estimate.allocation_trace import PHASES
 from estimate.predict import predict
-from estimate.snapshot import spans
+from estimate.replay.snapshot import spans
+from estimate.replay.trace import PHASES
 
 
 @pytest.fixture(scope="module")

@@ -7,13 +7,17 @@ from unittest import mock
 
 import pytest
 
-import estimate.fit
+import estimate.question
 from conftest import script_path
 from estimate import stack
 from estimate.command import main as table_main
-from estimate.fit import granule
+from estimate.command import parse_size
+from estimate.output import size_text
 from estimate.predict import attempt
-from estimate.records import size_text
+from estimate.search import answers, walk
+from estimate.search import costs as cost_model
+from estimate.search.fit import Fit
+from estimate.search.grid import granule
 from steps import import_script
 
 BATCH = 8
@@ -51,19 +55,19 @@ def estimated_once():
         if key not in made:
             made[key] = attempt(row)
         return made[key]
-    with mock.patch.object(stack, "attempt", cached), mock.patch.object(estimate.fit, "attempt", cached):
+    with mock.patch.object(estimate.question, "attempt", cached):
         yield
 
 
 @pytest.fixture(scope="module")
 def every_prefix(estimated_once):
     """The walk with room for nothing: every prefix estimated once, none fits."""
-    return stack.walk(COMBINED, BASE, BATCH, 1, 1, "causal-lm", "a100", report=lambda _: None)
+    return walk.walk(COMBINED, BASE, BATCH, 1, 1, "causal-lm", "a100", report=lambda _: None)
 
 
 # GPT-2's cost model at 8,192 tokens, batch 8: the host's optimizer moves fewer bytes a step than
 # activation offloading, so it comes first in their group
-MANY_TOKENS = stack.chain_seconds(1.24e8, 8 * 8192, (12, 768, 50257))
+MANY_TOKENS = cost_model.chain_seconds(1.24e8, 8 * 8192, (12, 768, 50257))
 HOST_FIRST = ["optimizer on the host", "gradients to host", "activation offloading"]
 
 
@@ -76,9 +80,9 @@ def test_the_cost_model_orders_the_links_within_their_group_and_says_so():
     for earlier, later in zip(reordered, reordered[1:]):
         if earlier.group == later.group:
             assert MANY_TOKENS[earlier.name] <= MANY_TOKENS[later.name]
-    text = stack.chain_text("causal-lm", 1.24e8, 8 * 8192, (12, 768, 50257), 1)
+    text = answers.chain_text("causal-lm", 1.24e8, 8 * 8192, (12, 768, 50257), 1)
     assert f"orders {HOST_FIRST[0]}, {HOST_FIRST[1]} and {HOST_FIRST[2]} otherwise" in text
-    assert "otherwise" not in stack.chain_text("causal-lm", 8.03e9, 8 * 2048, (32, 4096, 128256), 1)
+    assert "otherwise" not in answers.chain_text("causal-lm", 8.03e9, 8 * 2048, (32, 4096, 128256), 1)
 
 
 @pytest.mark.parametrize("seconds", [None, MANY_TOKENS], ids=["usual", "reordered"])
@@ -105,7 +109,7 @@ def test_classification_skips_the_fused_loss_with_a_note():
              if link.name == "fused loss"]
     assert fused and fused[0][1] is None and "skipped" in fused[0][2][0]
     assert all(("--loss", "fused") not in (switches or []) for _, switches, _ in links)
-    text = stack.chain_text("classification", 10**6, 1024, (2, 64, 1000), 1)
+    text = answers.chain_text("classification", 10**6, 1024, (2, 64, 1000), 1)
     assert "fused loss skipped: --task classification" in text
 
 
@@ -113,7 +117,7 @@ def test_a_size_below_everything_says_none_fits_and_names_the_nearest(every_pref
     assert every_prefix.fit is None
     last_link, _, _, last_reserved = every_prefix.tried[-1]
     assert last_link.name == "offload" and isinstance(last_reserved, int)
-    text = stack.stack_text(every_prefix, [], BATCH, 1, "1B", [])
+    text = answers.stack_text(every_prefix, [], BATCH, 1, "1B", [])
     assert "no prefix fits" in text and "offload" in text and size_text(last_reserved) in text
 
 
@@ -132,7 +136,7 @@ def between(every_prefix):
 
 def test_a_size_between_two_prefixes_picks_the_first_that_fits(between, combined):
     size, links, expected = between
-    answer = stack.walk(COMBINED, BASE, BATCH, 1, size, "causal-lm", "a100",
+    answer = walk.walk(COMBINED, BASE, BATCH, 1, size, "causal-lm", "a100",
                         report=lambda _: None)
     assert answer.link is links[expected]
     fit = answer.fit
@@ -143,13 +147,13 @@ def test_a_size_between_two_prefixes_picks_the_first_that_fits(between, combined
                    if micro > fit.largest) > size
         assert fit.largest + granule(fit.largest) in fit.tried or not fit.problem
     model = ["--preset", "tiny-text", "--task", "causal-lm"]
-    words = shlex.split(stack.command(model, BATCH, answer.switches, fit, 1))
+    words = shlex.split(answers.command(model, BATCH, answer.switches, fit, 1))
     args, refused = parsed(combined, words)
     assert refused is None and args.batch_size == BATCH
     assert BATCH // args.accum_steps <= fit.largest  # the micro-batch it runs fits
     for flag, value in answer.switches:
         assert getattr(args, flag[2:].replace("-", "_")) == value
-    text = stack.stack_text(answer, model, BATCH, size, "SIZE", [])
+    text = answers.stack_text(answer, model, BATCH, size, "SIZE", [])
     assert " ".join(words) in text and links[expected].name in text
     shown = max(micro for micro, (_, nbytes) in fit.tried.items()
                 if nbytes <= size and micro <= fit.largest)
@@ -160,21 +164,21 @@ def test_two_workers_answer_as_one_does(between, every_prefix):
     """The walk and the searches in two worker processes (the rows the module estimated are
     the workers' too, forked with the cache): the same stack as one process finds."""
     size, links, expected = between
-    alone = stack.walk(COMBINED, BASE, BATCH, 1, size, "causal-lm", "a100", report=lambda _: None)
-    answer, adapters = stack.answer_all(COMBINED, BASE, BATCH, 1, size, "causal-lm", "a100", jobs=2,
+    alone = walk.walk(COMBINED, BASE, BATCH, 1, size, "causal-lm", "a100", report=lambda _: None)
+    answer, adapters = walk.answer_all(COMBINED, BASE, BATCH, 1, size, "causal-lm", "a100", jobs=2,
                                         report=lambda _: None)
     assert answer.link is links[expected] and answer.switches == alone.switches
     assert (answer.fit.largest, answer.fit.capped) == (alone.fit.largest, alone.fit.capped)
     assert [switches[-1][0] for switches, _, _ in adapters] == ["--lora-rank", "--qlora"]
     for switches, fit, problem in adapters:  # each with the answer's activation switches
-        assert set(stack.activation_switches(answer)) <= set(switches)
+        assert set(walk.activation_switches(answer)) <= set(switches)
         assert (fit is None) != (problem is None)
 
 
 def test_a_sharded_command_parses_under_torchrun(combined):
     switches = dict(stack.prefixes("causal-lm")[-1][1])
-    fit = stack.Fit("10_combined", True, batch_size=BATCH, world_size=2, largest=2)
-    words = shlex.split(stack.command(["--task", "causal-lm"], BATCH, list(switches.items()),
+    fit = Fit("10_combined", True, batch_size=BATCH, world_size=2, largest=2)
+    words = shlex.split(answers.command(["--task", "causal-lm"], BATCH, list(switches.items()),
                                       fit, 2))
     args, refused = parsed(combined, words, world_size=2)
     assert refused is None and args.offload and args.accum_steps == 2
@@ -194,7 +198,7 @@ def test_a_prefix_whose_weights_and_state_exceed_the_gpu_is_not_estimated(every_
             floor = stack.resident_bytes(switches, parameters)
             assert floor <= reserved, link.name
             assert floor >= (0 if link.sharded else stack.WEIGHT_BYTES * parameters), link.name
-    answer = stack.walk(COMBINED, BASE, BATCH, 1, 1, "causal-lm", "a100", report=lambda _: None,
+    answer = walk.walk(COMBINED, BASE, BATCH, 1, 1, "causal-lm", "a100", report=lambda _: None,
                         parameters=parameters)  # 1 byte: every floor but --offload's is above
     said = {link.name: value for link, switches, _, value in answer.tried if switches is not None}
     assert isinstance(said.pop("offload"), int)
@@ -303,17 +307,17 @@ def test_on_several_gpus_the_stack_shards_first_keeping_adam_exact(combined):
     weights, gradients and Adam's state (ZeRO-2 first: fewer bytes over the interconnect); its
     command trains (10's own checks, as torchrun's process 0) and shards; one sample a process is
     the whole batch: nothing to search."""
-    answer = stack.walk(COMBINED, BASE, 2, 2, 10**12, "causal-lm", "a100", report=lambda _: None)
+    answer = walk.walk(COMBINED, BASE, 2, 2, 10**12, "causal-lm", "a100", report=lambda _: None)
     assert answer.link is stack.SHARDED_CHAIN[0] and answer.world_size == 2
     assert answer.switches == [("--reshard-after-forward", "false")]
     assert answer.fit.largest == 1 and answer.fit.capped
     shown = [word for word in BASE if word not in ("--device", "cuda")]  # as the answer prints it
-    words = shlex.split(stack.command(shown, 2, answer.switches, answer.fit, answer.world_size))
+    words = shlex.split(answers.command(shown, 2, answer.switches, answer.fit, answer.world_size))
     args, problem = parsed(combined, words, world_size=2)
     assert problem is None and "--optimizer" not in words and args.reshard_after_forward is False
     with mock.patch.dict(os.environ, {"WORLD_SIZE": "2", "RANK": "0"}):
         assert combined.launched_sharded(args)
-    one_gpu = stack.walk(COMBINED, BASE, 2, 1, 10**12, "causal-lm", "a100", report=lambda _: None)
+    one_gpu = walk.walk(COMBINED, BASE, 2, 1, 10**12, "causal-lm", "a100", report=lambda _: None)
     assert one_gpu.link.name == "bf16" and one_gpu.world_size == 1
 
 
@@ -331,13 +335,13 @@ def test_an_offloaded_answer_states_the_host_memory_it_needs(every_prefix):
     process and for the processes of a machine."""
     *_, reserved = every_prefix.tried[-1]  # offload's, at micro-batch 1 of one process
     size = int(reserved / (1 - stack.SHARDED_MARGIN)) + 1  # sharded over 2, it keeps the margin
-    answer = stack.walk(COMBINED, BASE, BATCH, 2, size, "causal-lm", "a100",
+    answer = walk.walk(COMBINED, BASE, BATCH, 2, size, "causal-lm", "a100",
                         report=lambda _: None, parameters=10**12)  # every other floor above
     assert answer.link.name == "offload" and answer.host_bytes > 0
-    text = stack.stack_text(answer, [], BATCH, size, "SIZE", [])
+    text = answers.stack_text(answer, [], BATCH, size, "SIZE", [])
     assert f"host memory: {size_text(answer.host_bytes)} a process" in text
     assert f"{size_text(2 * answer.host_bytes)} for the 2 on one machine" in text
-    smaller = stack.walk(COMBINED, BASE, BATCH, 2, size, "causal-lm", "a100", report=lambda _: None,
+    smaller = walk.walk(COMBINED, BASE, BATCH, 2, size, "causal-lm", "a100", report=lambda _: None,
                          parameters=10**12, host_capacity=2 * answer.host_bytes - 1)
     assert smaller.link is None and smaller.tried[-1][3].startswith("needs ")
 
@@ -349,7 +353,7 @@ def test_host_memory_needs_gpu_memory(capsys):
 
 
 # The cost model between GPUs, on stand-ins: Llama-3.1-8B's size and shape at 8 x 2,048 tokens
-LLAMA_8B = stack.Costs(8.03e9, 8 * 2048, 32, 4096, 128256)
+LLAMA_8B = cost_model.Costs(8.03e9, 8 * 2048, 32, 4096, 128256)
 ZERO_2, ZERO_3 = (next(link for link in stack.SHARDED_CHAIN if link.name == name)
                   for name in ("FSDP ZeRO-2", "FSDP ZeRO-3"))
 
@@ -359,7 +363,7 @@ def test_the_interconnect_carries_n_minus_1_over_n_of_the_weights_bytes_each_mic
     (6 bytes a parameter), ZeRO-2 gathers once (4): two thirds of the time; each GPU moves
     (N-1)/N of them, at the stated bandwidth; one GPU moves none."""
     def wire(costs, link, world, micro_batches=1):
-        return stack.step_time(costs, link.sets, world, micro_batches).get("interconnect", 0)
+        return cost_model.step_time(costs, link.sets, world, micro_batches).get("interconnect", 0)
     for world in (2, 4, 8, 64):
         moved = {link: wire(LLAMA_8B, link, world) * LLAMA_8B.interconnect * world / (world - 1)
                  for link in (ZERO_2, ZERO_3)}
@@ -369,7 +373,7 @@ def test_the_interconnect_carries_n_minus_1_over_n_of_the_weights_bytes_each_mic
     assert wire(LLAMA_8B, ZERO_3, 1) == 0
     slower = replace(LLAMA_8B, interconnect=LLAMA_8B.interconnect / 10)
     assert wire(slower, ZERO_3, 8) == pytest.approx(10 * wire(LLAMA_8B, ZERO_3, 8))
-    assert [link.name for link in stack.sharded_links(LLAMA_8B, 8)][:2] == ["FSDP ZeRO-2", "FSDP ZeRO-3"]
+    assert [link.name for link in cost_model.sharded_links(LLAMA_8B, 8)][:2] == ["FSDP ZeRO-2", "FSDP ZeRO-3"]
 
 
 @pytest.mark.parametrize("world", [2, 8])
@@ -377,18 +381,18 @@ def test_a_sharded_step_is_the_one_gpu_step_of_its_tokens_plus_the_interconnect(
     """A sharded link is priced by the one-GPU links' own terms for the same switches, on
     batch/N of the tokens (a sharded step of 4-bit AdamW on 1/N of the weights), plus the
     interconnect: adding a link to SHARDED_CHAIN prices it."""
-    share = stack.Costs(LLAMA_8B.parameters, LLAMA_8B.tokens // world, 32, 4096, 128256)
+    share = cost_model.Costs(LLAMA_8B.parameters, LLAMA_8B.tokens // world, 32, 4096, 128256)
     one_gpu = {link.sets: link for link in stack.CHAIN}
     for link in [*stack.SHARDED_CHAIN, *(link for link in stack.CHAIN if not link.sharded)]:
         switches = [(flag, value) for flag, value in link.sets if value is not stack.REMOVE]
-        sharded = stack.step_time(LLAMA_8B, switches, world)
+        sharded = cost_model.step_time(LLAMA_8B, switches, world)
         wire = sharded.pop("interconnect")
-        alone = stack.step_time(share, switches, 1)
+        alone = cost_model.step_time(share, switches, 1)
         if link.sets in one_gpu:  # what the switches add is that link's seconds on the share
             added = sum(alone.values()) - alone["compute"]
             links = [one_gpu[link.sets]] + (  # offloading recomputes too, as the link it replaces
                 [one_gpu[(("--checkpointing", "full"),)]] if link.name == "activation offloading" else [])
-            assert added == pytest.approx(sum(stack.step_seconds(each, share.parameters, share.tokens,
+            assert added == pytest.approx(sum(cost_model.step_seconds(each, share.parameters, share.tokens,
                                                                  32, 4096, 128256) for each in links))
         if "4-bit step" in alone:
             alone["4-bit step"] /= world
@@ -396,7 +400,7 @@ def test_a_sharded_step_is_the_one_gpu_step_of_its_tokens_plus_the_interconnect(
 
 
 def on_stand_ins(reserved, costs, world_size, capacity, batch_size=8, largest=None):
-    """stack.walk with stand-ins for the estimates and the search: a row reserves
+    """walk.walk with stand-ins for the estimates and the search: a row reserves
     reserved(argv, world) bytes at any micro-batch, and its search finds largest(argv, world)
     samples a GPU (default: the whole share); (the answer, the lines it reported)."""
     said = []
@@ -405,11 +409,11 @@ def on_stand_ins(reserved, costs, world_size, capacity, batch_size=8, largest=No
         return ({"reserved_bytes": reserved(row.argv, row.world_size), "allocated_bytes": 0,
                  "parameter_count": int(costs.parameters), "host_bytes": 0}, None, 0.0)
 
-    def search(script, argv, world, room, accumulates, known, gpu, cap, per_sample):
-        return stack.Fit(script.stem, accumulates, capacity=room, tried=dict(known),
-                         largest=largest(argv, world) if largest else cap)
-    with mock.patch.object(stack, "attempt", attempt), mock.patch.object(stack, "search", search):
-        answer = stack.walk(COMBINED, BASE, batch_size, world_size, capacity, "causal-lm", "a100",
+    def search(question, room, known, cap, per_sample):
+        return Fit(question.name, question.accumulates, capacity=room, tried=dict(known),
+                   largest=largest(question.base_argv, question.world_size) if largest else cap)
+    with mock.patch.object(estimate.question, "attempt", attempt), mock.patch.object(walk, "search", search):
+        answer = walk.walk(COMBINED, BASE, batch_size, world_size, capacity, "causal-lm", "a100",
                             report=said.append, costs=costs)
     return answer, said
 
@@ -420,7 +424,7 @@ def test_sharding_is_answered_where_quicker_and_one_gpu_where_the_interconnect_i
     is the quicker, and the answer says both seconds."""
     fast, said = on_stand_ins(lambda argv, world: 1, LLAMA_8B, 8, 10**12)
     assert fast.link is ZERO_2 and fast.world_size == 8
-    sharded_seconds = sum(stack.step_time(LLAMA_8B, ZERO_2.sets, 8).values())
+    sharded_seconds = sum(cost_model.step_time(LLAMA_8B, ZERO_2.sets, 8).values())
     assert f"{sharded_seconds:.3g} s a step on each of 8 GPUs" in fast.why
     assert "every prefix of the one-GPU chain takes longer" in fast.why
     skipped = [value for link, switches, _, value in fast.tried if link in stack.CHAIN and switches]
@@ -428,12 +432,12 @@ def test_sharding_is_answered_where_quicker_and_one_gpu_where_the_interconnect_i
     slow_wire = replace(LLAMA_8B, interconnect=1e6)
     slow, said = on_stand_ins(lambda argv, world: 1, slow_wire, 8, 10**12)
     assert slow.link.name == "bf16" and slow.world_size == 1
-    one_gpu = sum(stack.step_time(slow_wire, [], 1).values())
-    zero_2 = sum(stack.step_time(slow_wire, ZERO_2.sets, 8).values())
+    one_gpu = sum(cost_model.step_time(slow_wire, [], 1).values())
+    zero_2 = sum(cost_model.step_time(slow_wire, ZERO_2.sets, 8).values())
     assert one_gpu < zero_2
     assert slow.why.startswith(f"{one_gpu:.3g} s a step on one GPU")
     assert f"{zero_2:.3g} s for FSDP ZeRO-2" in slow.why
-    text = stack.stack_text(slow, [], 8, 10**12, "SIZE", [])
+    text = answers.stack_text(slow, [], 8, 10**12, "SIZE", [])
     assert f"why: {slow.why}" in text and "python 10_combined.py" in text
 
 
@@ -444,9 +448,9 @@ def test_zero3_is_answered_where_zero2_fits_only_in_more_micro_batches():
         return 1 if "--reshard-after-forward" in argv else 8
     answer, said = on_stand_ins(lambda argv, world: 1, LLAMA_8B, 8, 10**12, batch_size=64,
                                 largest=largest)
-    assert answer.link is ZERO_3 and stack.micro_batches(answer.fit) == 1
-    zero_2 = sum(stack.step_time(LLAMA_8B, ZERO_2.sets, 8, 8).values())
-    zero_3 = sum(stack.step_time(LLAMA_8B, ZERO_3.sets, 8, 1).values())
+    assert answer.link is ZERO_3 and walk.micro_batches(answer.fit) == 1
+    zero_2 = sum(cost_model.step_time(LLAMA_8B, ZERO_2.sets, 8, 8).values())
+    zero_3 = sum(cost_model.step_time(LLAMA_8B, ZERO_3.sets, 8, 1).values())
     assert zero_3 < zero_2
     assert f"FSDP ZeRO-3: {zero_3:.3g} s a step, under FSDP ZeRO-2's {zero_2:.3g} s" in "\n".join(said)
 
@@ -476,7 +480,7 @@ def test_a_sharded_fit_keeps_the_sharded_margin_free():
     roomy = tight + 2 * 10**6
     answer, _ = on_stand_ins(lambda argv, world: reserved, LLAMA_8B, 8, roomy)
     assert answer.link is ZERO_2 and answer.fit.capacity == int(roomy * (1 - stack.SHARDED_MARGIN))
-    text = stack.stack_text(answer, [], 8, roomy, "SIZE", [])
+    text = answers.stack_text(answer, [], 8, roomy, "SIZE", [])
     assert f"keeps {stack.SHARDED_MARGIN:.0%} of it free when sharded" in text
 
 
@@ -488,15 +492,15 @@ def test_the_interconnect_flag_prices_the_sharded_links(tmp_path, monkeypatch):
 
     def answer_all(*arguments, costs=None, **options):
         asked["costs"] = costs
-        return stack.Answer(), []
-    monkeypatch.setattr(stack, "answer_all", answer_all)
+        return walk.Answer(), []
+    monkeypatch.setattr(walk, "answer_all", answer_all)
     flags = ["--preset", "tiny-text", "--task", "causal-lm", "--gpu-memory", "80GB", "--world-size",
              "8", "--results-dir", str(tmp_path)]
     chains = {}
     for rate in ("200GB/s", "100GB/s"):
         args = command.parse_table_args([*flags, "--interconnect", rate])
         chains[rate], _ = command.the_stack(args, command.model_flags(args))
-        assert asked["costs"].interconnect == estimate.fit.parse_size(rate[:-2])
+        assert asked["costs"].interconnect == parse_size(rate[:-2])
     assert "interconnect 100 GB/s" in chains["100GB/s"] and "interconnect 200 GB/s" in chains["200GB/s"]
     first = [[line for line in chains[rate].splitlines() if "1. FSDP ZeRO-2" in line][0]
              for rate in ("200GB/s", "100GB/s")]

@@ -287,12 +287,6 @@ def test_the_readme_shows_the_tour_tables_steps_and_links_the_whole_table():
     assert f"docs/{TOUR_TABLE}" in LINK.findall(README.read_text())
 
 
-def test_the_readmes_first_paragraph_says_what_it_is_and_how_to_see_it_in_three_lines():
-    first = README.read_text().split("\n\n")[1].splitlines()  # after the title
-    assert len(first) <= 3
-    assert "`python -m tour`" in " ".join(first) and "`diff 03_bf16.py 04_grad_accum.py`" in " ".join(first)
-
-
 def test_the_readme_is_a_landing_page_that_links_every_chapter():
     """At most 200 lines: results go to the chapters, the README keeps a paragraph each."""
     assert len(README.read_text().splitlines()) <= 200

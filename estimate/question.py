@@ -1,0 +1,113 @@
+"""The question the --gpu-memory searches ask: this script, with these flags, on this many processes
+and this GPU, at any micro-batch size. The fit search and the stack's walk (estimate/search/) ask
+it for every figure, and reach the rest of estimate/ through nothing else but the output module
+(tests/repository/test_imports.py checks it).
+
+A Question keeps what answers it: the runs made or found for it (kept on disk by shortcuts/cache.py
+with their sizes, which a later question with another capacity or GPU finds), and the line of
+traces through them (shortcuts/sizes.py), from which a size between is written and replayed
+instead of run. Which sizes are asked is the search's to decide (search/grid.py).
+"""
+from functools import cached_property
+from pathlib import Path
+
+from estimate.gpu_choices import DEFAULT_GPU
+from estimate.predict import Row, attempt, attempt_run, compiles, record_of, replayed
+from estimate.shortcuts import cache
+from estimate.shortcuts.sizes import SMALLEST, Family, NotBySizes, canonical
+
+__all__ = ["SMALLEST", "NotBySizes", "Question"]
+
+
+class Question:
+    """A script and its flags (`base_argv`, without --batch-size and --accum-steps) on
+    `world_size` processes and the GPU `gpu` (a key of GPUS), at micro-batches of any size: with
+    `accumulates`, two micro-batches of the size a step (which peaks as any number of them does),
+    else the whole batch at once. `asked`: {micro-batch: Row} whose runs stand for those sizes
+    (the table's asked row, run with the flags it was asked with)."""
+
+    def __init__(self, script, base_argv, world_size=1, gpu=DEFAULT_GPU, accumulates=True, asked=None):
+        self.script, self.base_argv, self.world_size = Path(script), list(base_argv), world_size
+        self.gpu, self.accumulates, self.asked = gpu, accumulates, dict(asked or {})
+        self.runs = {}  # {micro-batch: KeptRun} made or found for this question
+        self.line = None  # the Family of traces through the runs (draw_line)
+        self.written = {}  # {micro-batch: reserved bytes} of traces written from the line
+
+    @property
+    def name(self):
+        return self.script.stem
+
+    @property
+    def compiles(self):
+        """Whether the run compiles its model (predict.compiles): the table then asks no search."""
+        return compiles(self.script, self.base_argv)
+
+    def row(self, micro):
+        """The row whose run has micro-batches of `micro` samples per process; a question of
+        memory, so the data set's size does not limit it."""
+        if self.accumulates:
+            flags = ["--batch-size", str(2 * micro * self.world_size), "--accum-steps", "2"]
+        else:
+            flags = ["--batch-size", str(micro * self.world_size)]
+        return Row(self.script, [*self.base_argv, *flags], self.world_size, self.gpu,
+                   any_batch_size=True)
+
+    def answer(self, micro):
+        """(record, None, seconds) or (None, problem, seconds) at `micro`, as predict.attempt
+        gives them: a failure is an answer, not an exception."""
+        return attempt(self.row(micro))
+
+    def figures(self, kept):
+        """(allocated, reserved) bytes of a run replayed on this question's GPU."""
+        record = record_of(kept, self.gpu)
+        return record["allocated_bytes"], record["reserved_bytes"]
+
+    @cached_property
+    def sizes_key(self):
+        """The name the sizes run are noted under (shortcuts/cache.py): the key of the row without a size."""
+        return cache.key(self.row(0), False)
+
+    def found(self, known, cap):
+        """Find the runs that need no new one: each size of `known` (its asked row's run, or
+        made again where none was kept) and each an earlier question ran, up to `cap`; returns
+        {micro-batch: (allocated, reserved)} of the latter."""
+        for micro in known:
+            kept, _, _ = attempt_run(self.asked.get(micro) or self.row(micro))
+            if kept is not None:
+                self.runs[micro] = kept
+        earlier = {}
+        for micro in cache.sizes_kept(self.sizes_key) if self.sizes_key else ():
+            if micro not in self.runs and micro <= cap:
+                kept, _, _ = attempt_run(self.row(micro), run=False)
+                if kept is not None:
+                    self.runs[micro] = kept
+                    earlier[micro] = self.figures(kept)
+        return earlier
+
+    def estimate(self, micro):
+        """(allocated, reserved) at `micro` from its run, made now unless kept, and noted for later
+        questions; RuntimeError with the problem where it fails."""
+        kept, problem, _ = attempt_run(self.row(micro))
+        if problem:
+            raise RuntimeError(problem)
+        cache.note_size(self.sizes_key, micro)
+        self.runs[micro] = kept
+        return self.figures(kept)
+
+    def draw_line(self):
+        """The line of traces through the runs of SMALLEST samples or more, the sizes written from
+        an earlier line forgotten; NotBySizes where the runs make none."""
+        self.line = Family({size: kept for size, kept in self.runs.items() if size >= SMALLEST})
+        self.written = {}
+        return self.line
+
+    def reserved_written(self, micro):
+        """The reserved bytes at `micro` of the trace written from the line, replayed (no run)."""
+        if micro not in self.written:
+            kept = self.line.written(micro)
+            self.written[micro] = replayed(kept, kept.events, self.gpu).reserved_bytes
+        return self.written[micro]
+
+    def on_line(self, micro):
+        """Whether the run at `micro` is the trace the line writes there, event for event."""
+        return canonical(self.runs[micro].events) == self.line.written(micro).events
