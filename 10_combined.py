@@ -1007,8 +1007,7 @@ def apply_mlp_tiles(model, tiles):  # tiled MLP: each block's MLP in tiles
 
 class TiledMLP(torch.nn.Module):  # tiled MLP
     """Runs a block's `mlp` on `tiles` pieces of the sequence in turn, each recomputed in
-    backward: its intermediate exists for one piece at a time. Its inputs are (batch, sequence,
-    hidden) tensors, cut alike (BLOOM's MLP takes the residual too); the MLP works token by token."""
+    backward. Its inputs, (batch, sequence, hidden), are cut alike (BLOOM's takes the residual)."""
 
     def __init__(self, mlp, tiles):
         super().__init__()

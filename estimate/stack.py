@@ -94,13 +94,16 @@ CHAIN = (
 
 # --longest-sequence's chain (search/longest.py): CHAIN with the tiled MLP (05l), which only a long
 # sequence needs (at the lengths the batch search asks about it makes one tile), placed by its
-# cost like every link; and the weights' offload keeping the fused loss, the tiles and the
-# checkpoints (10_combined.py takes them beside sharding), a long run's three pieces
+# cost like every link; without 4-bit AdamW, whose step on fake tensors is a Python loop over
+# pieces of every weight (minutes an estimate for an 8B model on 2 cores, and a length search
+# makes several), while the links after it take the state off the GPU altogether; and the
+# weights' offload keeping the fused loss, the tiles and the checkpoints (10_combined.py takes
+# them beside sharding), a long run's three pieces
 TILED_MLP = Link("tiled MLP", (("--mlp-tiles", "auto"),),
                  "each block's MLP a tile of the sequence at a time, each tile's forward again in "
                  "backward: one more forward of the MLPs (2 x their parameters FLOPs a token)",
                  causal_lm_only=True)
-LONG_CHAIN = (*[link for link in CHAIN if link.name != "offload"], TILED_MLP,
+LONG_CHAIN = (*[link for link in CHAIN if link.name not in ("4-bit AdamW", "offload")], TILED_MLP,
               Link("offload", (("--offload", True), ("--optimizer", REMOVE),
                                ("--optimizer-in-backward", REMOVE), ("--optimizer-on-host", REMOVE),
                                ("--gradients-to-host", REMOVE)),

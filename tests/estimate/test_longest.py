@@ -1,13 +1,13 @@
 """--longest-sequence (estimate/search/longest.py): the longest sequence that fits, walking the
-chain for long sequences, each prefix's length found by estimates; and the published answers'
-commands, which 10_combined.py parses and a tiny model trains with on the CPU."""
+chain for long sequences, each prefix's length found by estimates (stood in for here: each
+answer's figures are made up, so that what the search does with them can be checked); and the
+command an answer prints, which 10_combined.py parses and a tiny model trains with on the CPU."""
 import math
-import re
 import shlex
 
 import pytest
 
-from conftest import QUICK, ROOT, run_script, script_path, unevaluated
+from conftest import QUICK, run_script, script_path, unevaluated
 from estimate import stack
 from estimate.command import main as table_main
 from estimate.search import longest
@@ -15,7 +15,6 @@ from estimate.search.costs import Costs
 from steps import import_script
 from support.architecture_matrix import write_model
 
-MB = 10**6
 GRANULE = 1024
 
 
@@ -160,33 +159,37 @@ def test_a_longest_sequence_question_asked_wrong_is_one_line(words, said, tmp_pa
     assert said in error and "Traceback" not in error
 
 
-# ---- the published answers -------------------------------------------------------------------
+# ---- the command an answer prints ------------------------------------------------------------
 
-ANSWERS = {"Llama-3.1-8B": "docs/models/llama-3.1-8b", "Llama-3.2-1B": "docs/models/llama-3.2-1b"}
-
-
-def published_command(model):
-    """The command docs/causal-lm.md gives as the longest sequence of `model` (the directory)."""
-    text = (ROOT / "docs" / "causal-lm.md").read_text()
-    commands = re.findall(r"^\s*(python 10_combined\.py .*--model " + re.escape(model) + r" .*)$",
-                          text, re.M)
-    assert commands, f"no answer for {model} in docs/causal-lm.md"
-    return shlex.split(commands[0])
-
-
-@pytest.mark.parametrize("name", ANSWERS)
-def test_a_published_answers_command_parses_and_its_switches_train_a_tiny_model(
-        name, combined, tmp_path, small_snippets):
-    """10_combined.py takes the command as printed; a tiny Llama of the architecture matrix
-    trains on the CPU with its switches, packed, past its config's 64 positions as the answer
-    is past Llama's (96 tokens, 3 tiles of 32)."""
-    words = published_command(ANSWERS[name])
+@pytest.mark.parametrize("last", ["gradients to host", "offload"])
+def test_an_answers_printed_command_parses_and_its_switches_train_a_tiny_model(
+        last, monkeypatch, combined, tmp_path, small_snippets):
+    """The command printed for an answer past the config's positions (here: the chain up to
+    `last` reaches furthest, with the weights on the GPU or in host memory), taken by 10 as
+    printed; a tiny Llama of the architecture matrix trains on the CPU with its switches, packed,
+    past its config's 64 positions (96 tokens, 3 tiles of 32)."""
+    def reserved(length, switches):
+        """Each prefix reaches 16 granules a switch word, but `last`'s past any length asked,
+        and --offload's not at all where it is not `last`."""
+        reach = 16 * GRANULE * len(switches)
+        if "--offload" in switches:
+            reach = 10**9 if last == "offload" else 0
+        elif "--gradients-to-host" in switches and last == "gradients to host":
+            reach = 10**9
+        return 10**9 if length <= reach else 10**12
+    answering(monkeypatch, reserved)
+    question = asked(positions=131072)
+    found = longest.walk_lengths(question, report=lambda _: None)
+    folder = write_model(tmp_path / "llama", "Llama")
+    text = longest.answer_text(question, found, ["--task", "causal-lm", "--model", str(folder),
+                                                 "--pack"], "80GB", "A100")
+    words = shlex.split(next(line for line in text.splitlines()
+                             if line.strip().startswith("python 10_combined.py")))
+    assert words[words.index("--max-positions") + 1] == words[words.index("--seq-len") + 1]
     args = combined.parse_args("", words[2:], flags=combined.own_flags)
     assert combined.refusal(args) is None and args.pack and args.batch_size == 1
-    switches = words[words.index("--seq-len") + 2:]
-    if switches[:1] == ["--max-positions"]:
-        switches = switches[2:]
-    folder = write_model(tmp_path / "llama", "Llama")
+    switches = words[words.index("--max-positions") + 2:]
+    assert ("--offload" in switches) == (last == "offload")
     flags = ["--model", str(folder), "--task", "causal-lm", "--pack", "--seq-len", "96",
              "--max-positions", "128", "--batch-size", "2", *switches, *QUICK]
     record, _ = run_script("10", flags, tmp_path, unevaluated("10"))
