@@ -52,7 +52,7 @@ from common.model import (classification_head, create_model, fill_shards, transf
 from common.model import model_config  # sequence parallel
 from common.presets import preset_for
 from common.progress import Progress
-from common.quirks import (BlockWrapper, check_output_layer_without_bias,
+from common.quirks import (BlockWrapper, check_block_mlp, check_output_layer_without_bias,
                            check_plain_output_layer, keep_training_layout)
 from common.summary import report
 
@@ -124,8 +124,8 @@ def train(settings, device, created_on, rank=0, world_size=1):
 def build_model(settings, preset, device, created_on, world_size):
     """The model, created where it trains in its dtype (06; as shapes only when it is to be
     sharded), then each technique the switches ask for applied in a fixed order, each behind one
-    check (torchtitan's parallelize_llama): adapters, 4-bit weights, checkpointing, compile,
-    sharding."""
+    check (torchtitan's parallelize_llama): adapters, 4-bit weights, the MLP's tiles (its check
+    its own: --mlp-tiles or none), checkpointing, compile, sharding."""
     with torch.device(created_on):  # on-device init: tensors made in here go to the device
         model = create_model(preset, dtype=settings.dtype)  # on-device init: in its dtype from the start
         if settings.lora_rank:
@@ -133,6 +133,7 @@ def build_model(settings, preset, device, created_on, world_size):
     check_loss(model, settings.loss)  # 05g, 05h: the model's loss is what they compute
     if settings.qlora:
         apply_four_bits(model)  # 07b
+    apply_mlp_tiles(model, settings.mlp_tiles)  # 05l, in each block before it is wrapped (or none)
     if settings.checkpointing in WRAPPED:
         apply_checkpointing(model, settings, device)  # 05c-05e (05e compiles each block first)
     if settings.compile and settings.checkpointing != "offloaded":
@@ -234,6 +235,11 @@ def checkpointing_kind(text):
     return f"budget:{fraction(value)}"
 
 
+def tile_count(text):  # tiled MLP: --mlp-tiles
+    """auto (the length over the hidden size, rounded up: ALST's) or a whole number of tiles."""
+    return text if text == "auto" else positive_int(text)
+
+
 @dataclass(frozen=True)
 class Switch:
     """One switch: its flag and argparse's options for it, the step each value comes from (a
@@ -289,6 +295,10 @@ SWITCHES = (
         "model: the model's own (default); chunked: the output layer and loss a piece of the "
         "sequence at a time (05g, --task causal-lm); fused: the same, its gradients made in "
         "forward (05h)")), {"chunked": "05g", "fused": "05h"}, {"fused": EXACT}),
+    Switch("--mlp-tiles", dict(type=tile_count, help=(
+        "each block's MLP run on N pieces of the sequence in turn, each recomputed in backward; "
+        "auto: the length over the hidden size, rounded up, as ALST (05l, --task causal-lm)")),
+        {ANY: "05l"}, {"auto": EXACT}, tried=("2",)),
     Switch("--lora-rank", dict(type=positive_int, help=(
         "train low-rank adapters of this rank on frozen weights (07a)")), {ANY: "07a"},
         tried=("4",)),
@@ -470,6 +480,9 @@ REFUSALS = (
     (given("--loss", "chunked", "fused"), given("--task", "classification"),
      "a classifier's logits are a few numbers per sample, with nothing to chunk; add --task "
      "causal-lm"),
+    (given("--mlp-tiles"), given("--task", "classification"),
+     "it cuts the long sequences of a language model's texts, and 05l trains that task only; add "
+     "--task causal-lm"),
     (given("--loss", "fused"), given("--precision", "mixed"),
      "it makes its gradients in forward, before the loss scaler's factor reaches them, so small "
      "float16 gradients would underflow; use --precision bf16 or fp32"),
@@ -1128,6 +1141,35 @@ def apply_compile(model, memory_budget):  # memory budget: compiled, each block 
     torch._functorch.config.activation_memory_budget = memory_budget  # the partitioner's setting
     for block in transformer_blocks(model):
         block.compile()  # at the first call: seconds to minutes, then reused by alike blocks
+
+
+# ---- 05l_tiled_mlp.py: tiled MLP --------------------------------------------------------------
+
+
+def apply_mlp_tiles(model, tiles):  # tiled MLP: each block's MLP in tiles
+    """05l's lines as a function: each block's `mlp` run in tiles, inside the block before
+    checkpointing wraps it (05l's order); no block where `tiles` is None (no --mlp-tiles)."""
+    blocks = transformer_blocks(model) if tiles else []
+    check_block_mlp(blocks, "Train it without --mlp-tiles")
+    for block in blocks:
+        block.mlp = TiledMLP(block.mlp, tiles)  # tiled MLP: inside the block, before it is wrapped
+
+
+class TiledMLP(torch.nn.Module):  # tiled MLP
+    """Runs a block's `mlp` on `tiles` pieces of the sequence in turn, each recomputed in
+    backward. Its inputs, (batch, sequence, hidden), are cut alike (BLOOM's takes the residual)."""
+
+    def __init__(self, mlp, tiles):
+        super().__init__()
+        self.mlp, self.tiles = mlp, tiles
+
+    def forward(self, *inputs):
+        length, hidden = inputs[0].shape[1:]
+        tiles = min(length, -(-length // hidden) if self.tiles == "auto" else self.tiles)
+        pieces = zip(*(tensor.tensor_split(tiles, dim=1) for tensor in inputs))
+        # non-reentrant, as each block's: each tile keeps only its input for backward
+        return torch.cat([checkpoint(self.mlp, *piece, use_reentrant=False) for piece in pieces],
+                         dim=1)
 
 
 # ---- 07_fsdp.py: FSDP (08: offload) --------------------------------------------------------------

@@ -93,6 +93,8 @@ STEPS = {step.id: step for step in [
          switches=(*ACCUM, "--optimizer", "adamw-4bit")),
     Step("05k", "memory budget", "04", accum_steps=4, compiles=True,
          switches=(*ACCUM, "--checkpointing", "budget:0.5")),
+    Step("05l", "tiled MLP", "05e", accum_steps=4, task="causal-lm",
+         switches=(*ACCUM, "--checkpointing", "offloaded", "--mlp-tiles", "auto")),
     Step("06", "on-device init", "05", accum_steps=4, switches=(*ACCUM, "--optimizer", "sgd")),
     Step("07", "FSDP", "06", sharded=True, accum_steps=4, switches=(*ACCUM, "--optimizer", "sgd")),
     Step("07a", "LoRA", "06", accum_steps=4, removes=("05",), switches=(*ACCUM, "--lora-rank", "8")),
@@ -136,7 +138,7 @@ class UnknownStep(ValueError):
 
 def select(names, task=None):
     """The steps that `names` pick, in tour order: "3", "03", "03_bf16", "03_bf16.py" or a path
-    pick step 03; a bare number also picks its step's branches (05: 05 and 05a-05k); no names
+    pick step 03; a bare number also picks its step's branches (05: 05 and 05a-05l); no names
     pick every step and branch (the combined script only when named). With `task`, steps that
     do not train it are left out. Raises UnknownStep naming the scripts there are, or, when
     every step named trains another task, that task."""

@@ -136,10 +136,38 @@ def longest_sequence(config):
     return None
 
 
-def with_model(preset, name_or_dir, seq_len=None, image_size=None, num_labels=None):
+def extended_positions(name_or_dir, config, arguments, positions):
+    """--max-positions: the config's `arguments` changed to give a model of rotary positions
+    (Llama, Mistral, Qwen2) positions for `positions` tokens: max_position_embeddings raised and
+    the rotary frequencies stretched by the same ratio (linear position interpolation, or the
+    factor of the scaling a config has already multiplied, as for Llama 3.1's); returns the new
+    maximum. A ModelProblem for learned or unbounded positions, and for a maximum not above the
+    config's own."""
+    longest, rope = longest_sequence(config), getattr(config, "rope_parameters", None)
+    if longest is None or not isinstance(rope, dict):
+        kind = "not bounded (ALiBi)" if longest is None else "a table of learned positions"
+        raise ModelProblem(f"--max-positions {positions}: {name_or_dir}'s positions are {kind}, "
+                           "and the flag stretches rotary positions only: leave it out")
+    if positions <= longest:
+        raise ModelProblem(f"--max-positions {positions}: {name_or_dir} has positions for "
+                           f"{longest} tokens already: leave it out")
+    rope = dict(rope)
+    if rope.get("rope_type", "default") == "default":
+        rope.update(rope_type="linear", factor=positions / longest)
+    elif isinstance(rope.get("factor"), (int, float)):
+        rope["factor"] *= positions / longest
+    else:
+        raise ModelProblem(f"--max-positions {positions}: {name_or_dir} scales its rotary "
+                           f"positions by {rope['rope_type']!r}, which has no factor to stretch")
+    arguments.update(max_position_embeddings=positions, rope_parameters=rope)
+    return positions
+
+
+def with_model(preset, name_or_dir, seq_len=None, image_size=None, num_labels=None,
+               max_positions=None):
     """`preset` (its data, task, batch, epochs and learning rates) with the model `name_or_dir`,
     given `seq_len` tokens (text) or `image_size` pixels square (images) and `num_labels`
-    classes."""
+    classes; `max_positions`: positions extended to that many tokens (extended_positions)."""
     config, has_weights = read_config(name_or_dir)
     task = task_of(config.model_type)
     if preset.task == "causal-lm" and num_labels:
@@ -183,9 +211,13 @@ def with_model(preset, name_or_dir, seq_len=None, image_size=None, num_labels=No
                    num_classes=num_labels or preset.num_classes)
     if task == "text":
         longest = longest_sequence(config)
+        if max_positions:
+            longest = extended_positions(name_or_dir, config, arguments, max_positions)
         if seq_len and longest and seq_len > longest:
+            stretch = (f", or add --max-positions {seq_len} to stretch its rotary positions"
+                       if isinstance(getattr(config, "rope_parameters", None), dict) else "")
             raise ModelProblem(f"--seq-len {seq_len}: {name_or_dir} has positions for "
-                               f"{longest} tokens at most; ask for {longest} or fewer")
+                               f"{longest} tokens at most; ask for {longest} or fewer{stretch}")
         changes["max_length"] = seq_len or min(preset.max_length, longest or preset.max_length)
         if getattr(config, "pad_token_id", None) is None:  # GPT-2, Llama: no padding token, and
             eos = getattr(config, "eos_token_id", None)  # batches need one: end-of-text
@@ -195,6 +227,9 @@ def with_model(preset, name_or_dir, seq_len=None, image_size=None, num_labels=No
                     "end-of-text token, and a classifier of padded text needs one to find each "
                     "sequence's end: add pad_token_id to its config.json")
             arguments["pad_token_id"] = eos[0] if isinstance(eos, list) else eos
+    elif max_positions:
+        raise ModelProblem(f"--max-positions {max_positions}: {name_or_dir} classifies images, "
+                           "which have no sequence of positions: leave it out")
     else:
         vision = getattr(config, "vision_config", None) or config  # CLIP, SigLIP: the image tower's
         changes["image_size"] = image_size or getattr(vision, "image_size", None) or preset.image_size

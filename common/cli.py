@@ -116,6 +116,12 @@ SHARED_FLAGS = {
                         "ignored, reported as loss and perplexity"),
     "--seq-len": dict(type=positive_int,
                       help="with --model, text: tokens per sequence (default: the preset's)"),
+    "--max-positions": dict(type=positive_int, metavar="N",
+                            help="with --model, rotary positions (Llama, Mistral, Qwen2): "
+                                 "positions for N tokens, past its config's maximum; the rotary "
+                                 "frequencies are stretched by the same ratio (position "
+                                 "interpolation, as long-context fine-tunes do), so the "
+                                 "pretrained weights see every position at a new angle"),
     "--image-size": dict(type=positive_int,
                          help="with --model, images: height and width (default: the model's)"),
     "--num-labels": dict(type=positive_int,
@@ -124,6 +130,12 @@ SHARED_FLAGS = {
                    help="preset: the preset's data set; synthetic: random inputs and labels of its "
                         "shapes, nothing read or downloaded (memory and time only: accuracy is "
                         "not measured)"),
+    "--pack": dict(action="store_true",
+                   help="with --task causal-lm: the texts joined end to end (each as its "
+                        "tokenizer encodes it, with its own start and end tokens) and cut into "
+                        "sequences of the full length: no padding, no attention mask, so the "
+                        "model makes no tensor of length x length; attention runs across the "
+                        "texts of a sequence"),
     "--epochs": dict(type=positive_int, help="default: the preset's"),
     "--batch-size": dict(type=positive_int, help="samples per optimizer step, over all processes "
                                                  "(default: the preset's)"),
@@ -135,8 +147,9 @@ SHARED_FLAGS = {
     "--world-size": dict(type=positive_int, metavar="N",
                          help="the processes (GPUs) the estimate runs a sharded step (07 on) in"),
 }
-SCRIPT_FLAGS = ["--preset", "--model", "--task", "--seq-len", "--image-size", "--num-labels",
-                "--data", "--epochs", "--batch-size", "--max-steps", "--gpu"]
+SCRIPT_FLAGS = ["--preset", "--model", "--task", "--seq-len", "--max-positions", "--image-size",
+                "--num-labels", "--data", "--pack", "--epochs", "--batch-size", "--max-steps",
+                "--gpu"]
 # a script takes these only with --estimate (a real run uses the GPU it has, the processes
 # torchrun starts), and says so
 ESTIMATE_ONLY = {"--gpu": "names the GPU --estimate emulates",
@@ -232,11 +245,16 @@ def parse_args(description, argv=None, task=None, flags=None):
         parser.error(str(problem))
     if args.model is not None:
         preset = model_preset(parser, args, given, only_task=task)
-    elif args.seq_len or args.image_size or args.num_labels:
-        parser.error("--seq-len, --image-size and --num-labels shape the model named by --model; "
-                     "the presets have their own (add --model NAME_OR_DIR)")
+    elif args.seq_len or args.max_positions or args.image_size or args.num_labels:
+        parser.error("--seq-len, --max-positions, --image-size and --num-labels shape the model "
+                     "named by --model; the presets have their own (add --model NAME_OR_DIR)")
     if args.data == "synthetic":  # no data set read: random samples of its shapes
         preset = replace(preset, dataset=SYNTHETIC)
+    if args.pack and preset.task != "causal-lm":
+        parser.error("--pack joins texts end to end for their next tokens, and a classifier "
+                     "learns one label a text: add --task causal-lm, or leave --pack out")
+    if args.pack:  # no padding and no attention mask (common/data.py)
+        preset = replace(preset, packed=True)
     shortest = 3 if args.data == "synthetic" else 2  # (a synthetic text's last token is padding)
     if args.task == "causal-lm" and preset.max_length < shortest:
         parser.error(f"--seq-len {preset.max_length}: under --task causal-lm each token predicts the "
@@ -346,7 +364,7 @@ def model_preset(parser, args, given, only_task=None):
                                + ("--image-size is for images; use --seq-len" if task == "text"
                                   else "--seq-len is for text; use --image-size"))
         model_preset = with_model(preset, args.model, args.seq_len, args.image_size,
-                                  args.num_labels)
+                                  args.num_labels, args.max_positions)
     except ModelProblem as problem:
         said = str(problem)
         if only_task is not None:  # (05g, 05h: no classifier to fall back on)

@@ -8,7 +8,8 @@ scikit-learn's handwritten digits (1,797 8x8 grey images, shipped inside the pac
 tokenized to the preset's length. imdb: the 50,000 IMDb movie reviews from the Hub, split
 35k/5k/10k as in the LLM study. --data synthetic: random inputs and labels of the preset's shapes
 (images, or token ids at the full --seq-len, the last one padding), for measuring memory where
-the data cannot be fetched; what a model learns from them means nothing.
+the data cannot be fetched; what a model learns from them means nothing. --pack (causal-lm): the
+texts end to end, cut into sequences of the full length, with no padding and no attention mask.
 """
 from dataclasses import dataclass
 from pathlib import Path
@@ -147,6 +148,23 @@ def tokenized(texts, labels, tokenizer, max_length, task="classification"):
          "label": labels}, features=features).with_format("torch")
 
 
+def packed(texts, tokenizer, max_length):
+    """--pack: a Dataset of token ids, the texts end to end (each as the tokenizer encodes it
+    alone, with its own start and end tokens) cut into sequences of `max_length`, the rest
+    dropped; the labels are the tokens. No padding, so no attention mask: transformers then asks
+    scaled_dot_product_attention for causal attention (is_causal) and builds no mask, and each
+    token attends to every earlier token of its sequence, across the texts' ends."""
+    import datasets
+
+    tokens = [token for ids in tokenizer(texts)["input_ids"] for token in ids]
+    ids = [tokens[start:start + max_length]
+           for start in range(0, len(tokens) - max_length + 1, max_length)]
+    sequence = datasets.Sequence(datasets.Value("int64"), length=max_length)
+    return datasets.Dataset.from_dict(
+        {"input_ids": ids, "label": ids},
+        features=datasets.Features({"input_ids": sequence, "label": sequence})).with_format("torch")
+
+
 def movie_snippet_datasets(preset):
     """Train/validation/test splits (SNIPPET_SPLITS) of the Rotten Tomatoes snippets: label 1
     where people rated a snippet above 0 on average (-4 to 4), 0 below; unrated (0) dropped.
@@ -187,6 +205,8 @@ def text_splits(examples, sizes, preset):
         start += size
     texts = [text for split_texts, _ in splits for text in split_texts]
     tokenizer = tokenizer_for(preset)
+    if preset.packed:  # --pack: no text is cut short, none padded
+        return tuple(packed(split_texts, tokenizer, preset.max_length) for split_texts, _ in splits)
     say_truncated(texts, tokenizer, preset.max_length)
     return tuple(tokenized(split_texts, split_labels, tokenizer, preset.max_length, preset.task)
                  for split_texts, split_labels in splits)
@@ -195,8 +215,8 @@ def text_splits(examples, sizes, preset):
 class SyntheticData:
     """`size` samples of the preset's shapes drawn at random when read (each sample the same at
     every read): images in [-1, 1), or token ids over the model's vocabulary at the full length,
-    the last one padding (masked out); a class label each, or under --task causal-lm the ids
-    themselves (the padding IGNORED)."""
+    the last one padding (masked out; under --pack none, and no mask); a class label each, or
+    under --task causal-lm the ids themselves (the padding IGNORED)."""
 
     def __init__(self, preset, size, split):
         self.preset, self.size, self.split = preset, size, split
@@ -214,13 +234,12 @@ class SyntheticData:
             if preset.max_length:  # the last position padding, as in a padded batch of text: a
                 ids = torch.randint(self.vocabulary, (preset.max_length,), generator=draw)
                 mask = torch.ones_like(ids)  # mask of all ones would let transformers drop it
-                mask[-1] = 0
-                inputs = {"input_ids": ids, "attention_mask": mask}
+                mask[-1] = int(preset.packed)  # (--pack: no padding, and no mask given)
+                inputs = {"input_ids": ids, **({} if preset.packed else {"attention_mask": mask})}
             else:
                 size = preset.image_size
                 inputs = {"pixel_values": torch.rand(3, size, size, generator=draw) * 2 - 1}
-            label = (inputs["input_ids"].masked_fill(inputs["attention_mask"] == 0, IGNORED)
-                     if preset.task == "causal-lm"
+            label = (ids.masked_fill(mask == 0, IGNORED) if preset.task == "causal-lm"
                      else torch.randint(preset.num_classes, (), generator=draw))
             samples.append({**inputs, "label": label})
         return {name: torch.stack([sample[name] for sample in samples]) for name in samples[0]}

@@ -55,6 +55,7 @@ class Preset:
     qlora_lr: float = 1e-3     # the same on 4-bit weights (07b)
     tokenizer: str | None = None  # text: where the tokenizer is, when not beside the weights
     task: str = "classification"  # or "causal-lm" (--task): the next-token loss of a decoder
+    packed: bool = False       # causal-lm: texts end to end in sequences of max_length (--pack)
     gpu: bool = False          # sized for a GPU (the tour runs its sharded steps on one GPU)
     tour_estimate: bool = False  # its tour ends with the GPU estimate (the article preset's)
 
@@ -163,4 +164,5 @@ def preset_for(args):
     if getattr(args, "model", None) is None:
         return preset
     from common.any_model import with_model
-    return with_model(preset, args.model, args.seq_len, args.image_size, args.num_labels)
+    return with_model(preset, args.model, args.seq_len, args.image_size, args.num_labels,
+                      getattr(args, "max_positions", None))

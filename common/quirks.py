@@ -44,6 +44,16 @@ def check_output_layer_without_bias(model, instead):
                          f"leaves out. {instead}")
 
 
+def check_block_mlp(blocks, instead):
+    """Stop with a message unless every block calls an `mlp` module (Llama's, Mistral's, Qwen2's,
+    GPT-2's, BLOOM's ...), which 05l's tiled MLP runs on pieces of the sequence; blocks that
+    compute their feed-forward layers themselves (OPT's fc1 and fc2) have none. `instead` says
+    what to train the model with."""
+    if not all(isinstance(getattr(block, "mlp", None), torch.nn.Module) for block in blocks):
+        raise SystemExit("error: this model's blocks have no `mlp` module (their feed-forward "
+                         f"layers are the block's own), which the tiled MLP runs in pieces. {instead}")
+
+
 def keep_training_layout(four_bit):
     """Keep a bitsandbytes Linear4bit (07b) in the layout its training path reads: on CPUs with
     AVX512-BF16, bitsandbytes 0.50 repacks the weight for inference at the first evaluation, for

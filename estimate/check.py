@@ -26,6 +26,8 @@ import torch
 from common.summary import model_state_words, run_words
 from estimate.fake.run import wants_cuda_emulation, world_size_from_environment
 from estimate.gpu_choices import DEFAULT_GPU, GPUS, gpu_problem, nearest_gpu
+from estimate.length_growth import asked_length
+from estimate.length_growth import report as length_report
 from estimate.output import took_text
 from estimate.predict import Row, attempt, compiles, failure_message
 from estimate.records import read_estimate, save_records, size_text
@@ -109,6 +111,9 @@ def estimate(script, argv):
     if problem:
         raise SystemExit(f"error: cannot estimate {Path(script).name}: {problem}")
     print(summary(record))
+    if asked_length(script_argv) and not compiles(script, script_argv):  # a length x length tensor?
+        print("\n".join(length_report(Path(script), script_argv, world_size,
+                                       asked.gpu or DEFAULT_GPU)))
     if asked.memory_snapshot:
         print(f"memory snapshot        {asked.memory_snapshot} (open it at "
               f"https://pytorch.org/memory_viz) and its picture {asked.memory_snapshot}.png")

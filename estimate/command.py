@@ -18,7 +18,7 @@ from estimate.gpu_choices import DEFAULT_GPU, GPUS, gpu_problem
 from estimate.output import report_progress, rows_table, worker_pool
 from estimate.predict import EXACT_VARIABLE, Row, attempt, compiles
 from estimate.records import GB, PER_PARAMETER_NOTE, STUDY_RESERVED_GB, in_study_setting, save_records
-from estimate.search import walk
+from estimate.search import longest, walk
 from estimate.search.answers import chain_text, fit_table, stack_text
 from estimate.search.costs import Costs
 from estimate.search.fit import search_all, without_batch_flags
@@ -125,6 +125,11 @@ def parse_table_args(argv):
                              "all-gather and reduce-scatter reach, which price the stack's sharded "
                              "links (for example 200GB/s, the default: an A100's NVLink; 12GB/s: "
                              "100 Gb/s InfiniBand)")
+    parser.add_argument("--longest-sequence", nargs="?", const=1024, type=positive_int,
+                        metavar="GRANULE",
+                        help="with --gpu-memory and --task causal-lm: the longest sequence that "
+                             "fits at the batch (default 1), to GRANULE tokens (default 1024), "
+                             "with its command (estimate/search/longest.py)")
     parser.add_argument("--stack-only", action="store_true",
                         help="with --gpu-memory: only the stack (10_combined.py's switches that "
                              "fit), without the table of every script")
@@ -173,6 +178,11 @@ def parse_table_args(argv):
         if args.interconnect and args.stack_world_size == 1:
             parser.error("--interconnect prices what sharded GPUs send each other: add --world-size N "
                          "(N above 1), or leave it out")
+        if args.longest_sequence and (args.task != "causal-lm" or args.stack_world_size > 1):
+            parser.error("--longest-sequence asks how long a language model's sequence fits on "
+                         "one GPU: add --task causal-lm, and leave --world-size out")
+    elif args.longest_sequence:
+        parser.error("--longest-sequence asks what fits on a GPU: add --gpu-memory SIZE")
     elif args.interconnect:
         parser.error("--interconnect prices the stack's sharded links under --gpu-memory SIZE: add "
                      "it and --world-size N")
@@ -268,6 +278,11 @@ def table_main(argv):
     flags = model_flags(args)
     if args.gpu_memory is not None:
         check_the_batch_splits(args, flags)
+    if args.longest_sequence:  # the longest sequence instead of the table (search/longest.py)
+        with quiet_while_working(args.quiet):
+            answer = longest.answer(args, flags, GPUS[args.gpu].name)
+        print(answer)
+        return 0
     with quiet_while_working(args.quiet):  # the work's progress lines, unless --quiet
         if args.stack_only:
             chain, answer = the_stack(args, flags)

@@ -16,6 +16,12 @@ here, explicitly, as PyTorch 2.13 (the version pinned here) makes it on an A100:
   memory-efficient keep their inputs, their output and a float32 log-sum-exp per query row;
   the memory-efficient kernel pads the rows to a multiple of 32. The CPU's kernel keeps a
   log-sum-exp of another shape, hence the switch (`gpu_attention`).
+- Attention without a mask (packed texts, --pack): transformers asks for is_causal. Flash
+  attention reads grouped key and value heads as they are (Llama, Mistral, Qwen2: enable_gqa);
+  the memory-efficient kernel takes no grouped heads, so where flash does not run (float32, or
+  below 8.0) a grouped model falls to the math path, which repeats them and, being causal, makes a
+  mask and scores of length x length: at long lengths only flash (half types on 8.0 and later)
+  holds nothing of that size.
 - Attention with a padding mask (text): flash attention takes no mask, so every dtype runs the
   memory-efficient kernel. scaled_dot_product_attention first turns transformers' boolean mask
   into an additive one of the query's dtype, one (batch, 1, queries, keys) tensor per layer
@@ -147,33 +153,43 @@ MEMORY_EFFICIENT_MASK_ALIGNMENT = 8  # keys, as scaled_dot_product_attention pad
 def gpu_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
                   gpu=GPUS[DEFAULT_GPU], **kwargs):
     """transformers attention on the kernel CUDA would pick on `gpu`: flash for half types
-    without a mask, else the memory-efficient kernel (with a padding mask as its additive bias).
+    without a mask, else the memory-efficient kernel (with a padding mask as its additive bias),
+    else the math path.
 
     Calls the CUDA kernels' own aten operators, after the steps scaled_dot_product_attention
     takes on CUDA first; on fake tensors they run their shape functions, so autograd keeps
     exactly what the CUDA kernels keep for backward.
     """
+    half = query.dtype in (torch.float16, torch.bfloat16)
+    flash = attention_mask is None and half and gpu.flash_attention
+    # without a mask (packed texts, --pack) transformers asks for is_causal, and for grouped
+    # heads (Llama, Mistral, Qwen2) passes enable_gqa: flash reads the key and value heads as
+    # they are, the memory-efficient kernel takes no grouped heads (sdp_utils.cpp), and the
+    # math path repeats them; with a mask transformers repeats them itself (use_gqa_in_sdpa)
+    causal = kwargs.get("is_causal")  # as sdpa_attention_forward reads it
+    causal = attention_mask is None and query.shape[2] > 1 and (
+        getattr(module, "is_causal", True) if causal is None else causal)
     groups = getattr(module, "num_key_value_groups", 1)
-    if groups > 1:  # grouped-query attention (Llama, Mistral, Qwen2): with a padding mask,
-        # transformers repeats the key and value heads before CUDA's kernel (use_gqa_in_sdpa
-        # passes enable_gqa only without a mask); without one this is an upper bound
+    if groups > 1 and not flash:
         from transformers.integrations.sdpa_attention import repeat_kv
         key, value = repeat_kv(key, groups), repeat_kv(value, groups)
     compute_log_sum_exp = torch.is_grad_enabled() and any(
         tensor.requires_grad for tensor in (query, key, value))
-    ampere = gpu.flash_attention
-    if attention_mask is None and query.dtype in (torch.float16, torch.bfloat16) and ampere:
+    efficient = (query.dtype in (torch.float16, torch.float32) or gpu.flash_attention) and (
+        attention_mask is not None or groups == 1)
+    if flash:
         output = torch.ops.aten._scaled_dot_product_flash_attention(
-            query, key, value, dropout, False, False, scale=scaling)[0]
-    elif query.dtype in (torch.float16, torch.float32) or ampere:
+            query, key, value, dropout, causal, False, scale=scaling)[0]
+    elif efficient:
         bias = None if attention_mask is None else additive_mask(attention_mask, query, key)
         output = torch.ops.aten._scaled_dot_product_efficient_attention(
-            query, key, value, bias, compute_log_sum_exp, dropout, False, scale=scaling)[0]
-    else:  # bfloat16 below 8.0: the math path (the mask as sdpa converts it, unpadded)
+            query, key, value, bias, compute_log_sum_exp, dropout, causal, scale=scaling)[0]
+    else:  # bfloat16 below 8.0, or grouped heads without a mask off flash: the math path (the
+        # mask as sdpa converts it, unpadded; is_causal makes one of length x length itself)
         bias = None if attention_mask is None else additive_mask(attention_mask, query, key,
                                                                  padded=False)
         output = torch.ops.aten._scaled_dot_product_attention_math(
-            query, key, value, bias, dropout, False, scale=scaling)[0]
+            query, key, value, bias, dropout, causal, scale=scaling)[0]
     return output.transpose(1, 2).contiguous(), None  # (batch, tokens, heads, head size), as sdpa's
 
 

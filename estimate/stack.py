@@ -104,6 +104,24 @@ CHAIN = (
          "on the host", group=4, sharded=True, gives_back="the model's loss, Adam, accumulation again"),
 )
 
+# --longest-sequence's chain (search/longest.py): CHAIN with the tiled MLP (05l), which only a long
+# sequence needs (at the lengths the batch search asks about it makes one tile), placed by its
+# cost like every link; without 4-bit AdamW, whose step on fake tensors is a Python loop over
+# pieces of every weight (minutes an estimate for an 8B model on 2 cores, and a length search
+# makes several), while the links after it take the state off the GPU altogether; and the
+# weights' offload keeping the fused loss, the tiles and the checkpoints (10_combined.py takes
+# them beside sharding), a long run's three pieces
+TILED_MLP = Link("tiled MLP", (("--mlp-tiles", "auto"),),
+                 "each block's MLP a tile of the sequence at a time, each tile's forward again in "
+                 "backward: one more forward of the MLPs (2 x their parameters FLOPs a token)",
+                 causal_lm_only=True)
+LONG_CHAIN = (*[link for link in CHAIN if link.name not in ("4-bit AdamW", "offload")], TILED_MLP,
+              Link("offload", (("--offload", True), ("--optimizer", REMOVE),
+                               ("--optimizer-in-backward", REMOVE), ("--optimizer-on-host", REMOVE),
+                               ("--gradients-to-host", REMOVE)),
+                   "the weights up twice per micro-batch, gradients down (6 bytes a parameter) "
+                   "and Adam on the host", group=4, sharded=True, gives_back="Adam again"))
+
 # With several GPUs (--world-size N above 1) the walk first shards: 10_combined.py under
 # torchrun splits parameters, gradients and the optimizer's state N ways (07), Adam exact in the
 # first group, then with the switches it takes beside sharding. Each link is a whole
@@ -159,17 +177,17 @@ def resident_bytes(switches, parameters, world_size=1):
     return parameters * (WEIGHT_BYTES + state) // world_size
 
 
-def ordered(seconds=None):
-    """CHAIN's links in GROUPS' order, and within a group by the `seconds` each adds to a step
-    ({link name: seconds}, step_seconds' for a model); CHAIN's own order without them."""
-    return sorted(CHAIN, key=lambda link: (link.group, (seconds or {}).get(link.name, 0)))
+def ordered(seconds=None, chain=CHAIN):
+    """`chain`'s links in GROUPS' order, and within a group by the `seconds` each adds to a step
+    ({link name: seconds}, step_seconds' for a model); the chain's own order without them."""
+    return sorted(chain, key=lambda link: (link.group, (seconds or {}).get(link.name, 0)))
 
 
-def prefixes(task, seconds=None):
-    """[(link, switches as [(flag, value)], notes)] for each prefix of the chain, in order (by
+def prefixes(task, seconds=None, chain=CHAIN):
+    """[(link, switches as [(flag, value)], notes)] for each prefix of `chain`, in order (by
     `seconds`: see ordered()); notes say what a link skipped or replaced."""
     out, current = [], {}
-    for link in ordered(seconds):
+    for link in ordered(seconds, chain):
         if link.causal_lm_only and task != "causal-lm":
             out.append((link, None, [f"{link.name} skipped: --task {task} has nothing to chunk"]))
             continue

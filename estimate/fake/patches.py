@@ -257,6 +257,27 @@ def process_group_only_through_init_distributed(script_name):
 
 
 @contextmanager
+def position_ids_of_one_sequence():
+    """transformers' test for packed sequences answered for fake position ids as for real ones.
+    A decoder given no attention mask (--pack) asks whether its position ids restart within a
+    sequence (find_packed_sequence_indices); asked of fake ids it says yes (it cannot read them)
+    and builds a causal mask of length x length, where a real run builds none and asks
+    attention for is_causal. The scripts pass no position ids, and those a decoder makes itself,
+    0 to length - 1, hold one sequence: None, as the real test answers."""
+    import transformers.masking_utils as masking
+    original = masking.find_packed_sequence_indices
+
+    def one_sequence(position_ids):
+        return None if isinstance(position_ids, FakeTensor) else original(position_ids)
+
+    masking.find_packed_sequence_indices = one_sequence
+    try:
+        yield
+    finally:
+        masking.find_packed_sequence_indices = original
+
+
+@contextmanager
 def compiled_graphs_run_by_operations(fused):
     """Within it, torch.compile's inductor backend (the default) runs the graphs it is given an
     operation at a time instead of generating kernels for them (estimate/compiled.py's

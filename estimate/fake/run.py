@@ -31,6 +31,7 @@ from estimate.fake.patches import (
     cuda_optimizer_defaults,
     device_meshes_made_for_real,
     dropout_as_on_cuda,
+    position_ids_of_one_sequence,
     process_group_only_through_init_distributed,
     quantization_maps_computed_once,
     reduce_scatters_copying_their_input,
@@ -200,6 +201,7 @@ def fake_run(script_path, argv, world_size, gpu, any_batch_size, every_micro_bat
         stack.enter_context(dropout_as_on_cuda() if emulate_cuda else nullcontext())
         stack.enter_context(nullcontext() if emulate_cuda else reduce_scatters_copying_their_input())
         stack.enter_context(quantization_maps_computed_once())
+        stack.enter_context(position_ids_of_one_sequence())
         stack.enter_context(run.trace.recording())
         stack.enter_context(process_group_only_through_init_distributed(Path(script_path).name))
         stack.enter_context(launched_as(world_size))

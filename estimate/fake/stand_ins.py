@@ -41,10 +41,11 @@ class FakeLoader:
         """The model's inputs by name, as common/data.py's batches hold them."""
         size, preset = self.samples, self.preset
         # token ids, and a mask: fake, so transformers cannot see that it is all ones and builds
-        # the attention mask a padded batch gets (the usual case, and the larger one)
+        # the attention mask a padded batch gets (the usual case, and the larger one); packed
+        # texts (--pack) have no padding and no mask
         if is_text(preset):
             return {name: torch.ones(size, preset.max_length, dtype=torch.int64, device=self.host)
-                    for name in ("input_ids", "attention_mask")}
+                    for name in ("input_ids", "attention_mask")[:1 if preset.packed else 2]}
         return {"pixel_values": torch.empty(size, 3, preset.image_size, preset.image_size,
                                             device=self.host)}
 
@@ -52,7 +53,7 @@ class FakeLoader:
         """The bytes of a batch of `size` samples, inputs and labels, as made."""
         preset = self.preset
         if is_text(preset):
-            inputs = 2 * size * preset.max_length * 8  # token ids and mask, int64
+            inputs = (1 if preset.packed else 2) * size * preset.max_length * 8  # ids, mask: int64
         else:
             inputs = size * 3 * preset.image_size ** 2 * 4  # float32 pixels
         return inputs + size * (preset.max_length if preset.task == "causal-lm" else 1) * 8

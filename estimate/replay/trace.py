@@ -23,6 +23,7 @@ from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 
 import torch
+from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType, _UpdateType
 
 from common.memory import fold_breakdown
@@ -104,20 +105,24 @@ class AllocationTrace:
     @contextmanager
     def recording(self):
         """Record every tracker's updates while inside (the run has one tracker at a time), the
-        host-side storages a GPU's run pins marked so: copies out of the device, and the
-        optimizer's weights on the host, which the tracker then counts from its start."""
+        host-side storages a GPU's run pins marked so: copies out of the device (seen by
+        MemTracker's dispatch, and by FSDPMemTracker's, its own), and the optimizer's weights on
+        the host, which the tracker then counts from its start."""
         original = MemTracker._update_snap
-        dispatch, external = MemTracker.__torch_dispatch__, MemTracker.track_external
+        dispatches = {tracker: tracker.__torch_dispatch__ for tracker in (MemTracker, FSDPMemTracker)}
+        external = MemTracker.track_external
         trace = self
 
         def update_snap(tracker, u_type, winfo, old_mem_consumed=None, old_reftype=None):
             original(tracker, u_type, winfo, old_mem_consumed, old_reftype)
             trace.observe(u_type, winfo, phase_of(tracker))
 
-        def copying_out(tracker, func, types, args=(), kwargs=None):
-            out = func is torch.ops.aten._to_copy.default and copies_to_the_host(args, kwargs)
-            with trace.pinning() if out else nullcontext():
-                return dispatch(tracker, func, types, args, kwargs)
+        def copying_out(dispatch):
+            def dispatched(tracker, func, types, args=(), kwargs=None):
+                out = func is torch.ops.aten._to_copy.default and copies_to_the_host(args, kwargs)
+                with trace.pinning() if out else nullcontext():
+                    return dispatch(tracker, func, types, args, kwargs)
+            return dispatched
 
         def with_host_weights(tracker, *objects):
             external(tracker, *objects)
@@ -125,13 +130,15 @@ class AllocationTrace:
                 for weight in host_weights(objects):
                     tracker._update_and_maybe_create_winfos(weight, _MemRefType.OPT)
 
-        MemTracker._update_snap = update_snap
-        MemTracker.__torch_dispatch__, MemTracker.track_external = copying_out, with_host_weights
+        MemTracker._update_snap, MemTracker.track_external = update_snap, with_host_weights
+        for tracker, dispatch in dispatches.items():
+            tracker.__torch_dispatch__ = copying_out(dispatch)
         try:
             yield self
         finally:
-            MemTracker._update_snap = original
-            MemTracker.__torch_dispatch__, MemTracker.track_external = dispatch, external
+            MemTracker._update_snap, MemTracker.track_external = original, external
+            for tracker, dispatch in dispatches.items():
+                tracker.__torch_dispatch__ = dispatch
 
 
 def copies_to_the_host(args, kwargs):

@@ -15,6 +15,8 @@ class Costs:
     hidden: int = 0
     vocabulary: int = 0
     interconnect: float = COST["interconnect_bytes_per_s"]
+    mlp_parameters: int = 0  # the blocks' MLPs' (the tiled MLP runs them once more)
+    length: int = 0  # a sequence's tokens: attention's FLOPs priced (0: not priced)
 
 
 def rates(costs, world=1, micro_batches=1):
@@ -26,7 +28,11 @@ def rates(costs, world=1, micro_batches=1):
     host_step = parameters * COST["adam_bytes_per_parameter"] / COST["host_bytes_per_s"]
     # one collective of the bfloat16 weights a micro-batch: each GPU moves (N-1)/N of them
     collective = micro_batches * WEIGHT_BYTES * parameters * (world - 1) / world / costs.interconnect
-    return {"forward": forward, "elementwise": COST["elementwise_forward"] * forward,
+    # causal attention's two products, half of length x length each: 2 x length x hidden FLOPs
+    # a token a layer, beside the weights' 2 x parameters
+    attention = 2 * costs.length * tokens * costs.hidden * costs.layers / COST["gpu_flops"]
+    return {"forward": forward + attention, "elementwise": COST["elementwise_forward"] * forward,
+            "MLP forward": 2 * costs.mlp_parameters * tokens / COST["gpu_flops"],
             "activations over PCIe": 2 * costs.layers * tokens * costs.hidden * 2 / pcie,
             "4-bit step": parameters / world * COST["adamw_4bit_bytes_per_parameter"]
             / COST["gpu_bytes_per_s"],
@@ -39,8 +45,14 @@ def rates(costs, world=1, micro_batches=1):
 
 def step_seconds(link, parameters, tokens, layers, hidden, vocabulary, micro_batches=1):
     """The seconds the link adds to an optimizer step of `tokens` tokens, by COST."""
-    terms = rates(Costs(parameters, tokens, layers, hidden, vocabulary), 1, micro_batches)
+    return link_seconds(link, Costs(parameters, tokens, layers, hidden, vocabulary), micro_batches)
+
+
+def link_seconds(link, costs, micro_batches=1):
+    """The seconds the link adds to an optimizer step of `costs`' tokens, by COST."""
+    terms = rates(costs, 1, micro_batches)
     return {"bf16": 0.0, "8-bit AdamW": 0.0, "optimizer in backward": 0.0, "fused loss": 0.0,
+            "tiled MLP": terms["MLP forward"],
             "4-bit AdamW": terms["4-bit step"],
             "8-bit GaLore": terms["GaLore's projections"],
             "selective checkpointing": terms["elementwise"],
@@ -65,6 +77,8 @@ def step_time(costs, switches, world=1, micro_batches=1):
         parts["recompute"] = terms[again[checkpointing]]
     if checkpointing == "offloaded":
         parts["activations over PCIe"] = terms["activations over PCIe"]
+    if chosen.get("--mlp-tiles"):
+        parts["MLP tiles"] = terms["MLP forward"]
     if chosen.get("--offload"):
         parts["weights over PCIe, Adam on the host"] = terms["offload"]
     elif chosen.get("--optimizer-on-host"):

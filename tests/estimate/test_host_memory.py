@@ -83,3 +83,14 @@ def test_offloaded_shards_are_pinned_blocks_and_their_gradients_exact():
     record = predict(script_path("08"), ["--preset", "tiny"], world_size=2)
     assert record["pinned_host_bytes"] == sum(pinned_size(size) for size in shards) > sum(shards)
     assert record["host_bytes"] == record["pinned_host_bytes"] + sum(shards)
+
+
+def test_checkpoints_offloaded_beside_sharding_are_pinned_host_memory_too():
+    """10 with --offload (FSDP as a group of one, its tracker FSDPMemTracker) and offloaded
+    checkpoints: each block's input copied out into a pinned block, as without sharding; the
+    host holds at least one micro-batch's inputs of every block more than with full checkpointing."""
+    flags = ["--preset", "tiny", "--offload", "--accum-steps", "4"]
+    full, offloaded = (predict(script_path("10"), [*flags, "--checkpointing", kind])
+                       for kind in ("full", "offloaded"))
+    inputs = 4 * pinned_size(2 * 16 * 5 * 128)  # 4 blocks, a micro-batch of 16 x 5 tokens x 128
+    assert offloaded["pinned_host_bytes"] - full["pinned_host_bytes"] >= inputs

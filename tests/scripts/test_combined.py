@@ -41,6 +41,8 @@ ADAPTED = {
     "step_on_host": "05f's lines of train_step as a function, also called for one weight in backward",
     "check_loss": "05g's and 05h's checks of the output layer, naming --loss instead of a script",
     "GradientsOnTheDevice": "not 05i's: what 10 adds up with when --gradients-to-host is off",
+    "apply_mlp_tiles": "05l's wrapping lines as a function, called for every run: it wraps no "
+                       "block without --mlp-tiles, so that the recipe tests no more switches",
     "apply_compile": "05k's compile lines as a function, its budget 1.0 (the compiler's own) unless "
                      "--checkpointing budget:F names one",
     "apply_sharding": "07's sharding lines as a function, with 08's offload policy and the sharded "
@@ -291,7 +293,7 @@ for name, needed in NEEDS.items():
 PAIRS = [(first, second) for one, other in itertools.combinations(GROUPS, 2)
          for first in one for second in other]
 TEXT_SWITCHES = {"chunked", "fused", "lora-rank", "qlora",  # on a decoder: tiny-text, causal-lm
-                 "sequence-parallel"}
+                 "sequence-parallel", "mlp-tiles"}
 LR = ["--lr", "0.05"]  # updates large enough to show in every bfloat16 weight after two steps
 
 
@@ -417,6 +419,7 @@ def took_effect(name, module, took, record):
         "optimizer-in-backward": lambda: len(optimizer) == len(weights) > 1,
         "full": lambda: all(isinstance(block, module.CheckpointedBlock) for block in blocks),
         "selective": lambda: all(block.selective for block in blocks),
+        "mlp-tiles": lambda: all(isinstance(block.mlp, module.TiledMLP) for block in blocks),
         "offloaded": lambda: all(isinstance(block.offload, module.OffloadedInputs) for block in blocks),
         "chunked": lambda: took.calls.get("chunked_loss", 0) >= 2,
         "fused": lambda: took.calls.get("fused_loss", 0) >= 2,
@@ -519,6 +522,9 @@ STACKS = [
     # the whole stack in one process: each weight's 8-bit AdamW step on the host during
     # backward, activations recomputed from inputs in host memory, the loss fused
     ("fused", "offloaded", "adamw-8bit", "optimizer-in-backward", "optimizer-on-host"),
+    # a long run's stack (ALST's three pieces on one device): the MLP in tiles, checkpoints in
+    # host memory, the fused loss; Adam's state on the host, stepped in backward
+    ("mlp-tiles", "fused", "offloaded", "optimizer-in-backward", "optimizer-on-host"),
 ]
 
 
@@ -538,13 +544,16 @@ def test_stacked_switches_train(names, tmp_path, monkeypatch, small_snippets):
     assert_trains(names, run_switches(names, tmp_path, monkeypatch))
 
 
-# what the estimate is checked on beside the default (which tests/scripts/test_causal_lm.py estimates, as
-# for every script): the activation techniques stacked in one process; and QLoRA, whose 4-bit
-# weights the estimate stands in for (estimate/fake/four_bit.py) as for 07b
+# what the estimate is checked on beside the default (which tests/scripts/test_causal_lm.py
+# estimates, as for every script): the activation techniques stacked in one process; QLoRA, whose
+# 4-bit weights the estimate stands in for (estimate/fake/four_bit.py) as for 07b; and a long
+# run's stack on packed texts (no attention mask)
 ESTIMATED = {"fused+offloaded+adamw-8bit+in-backward+on-host": [
                  *TEXT, *CAUSAL_LM, "--loss", "fused", "--checkpointing", "offloaded",
                  "--optimizer", "adamw-8bit", "--optimizer-in-backward", "--optimizer-on-host"],
-             "qlora": ["--lora-rank", "8", "--qlora"]}
+             "qlora": ["--lora-rank", "8", "--qlora"],
+             "mlp-tiles+fused+offloaded+pack": [*TEXT, *CAUSAL_LM, "--mlp-tiles", "3", "--loss",
+                                                "fused", "--checkpointing", "offloaded", "--pack"]}
 
 
 @pytest.mark.parametrize("flags", ESTIMATED.values(), ids=ESTIMATED)
