@@ -137,8 +137,8 @@ def parse_table_args(argv):
                         help="estimates run at once, one process each (default: 2)")
     parser.add_argument("--results-dir", default="results", help="where estimate.json goes")
     parser.add_argument("--quiet", action="store_true",
-                        help="print only the answer: the stack and its command under --gpu-memory, "
-                             "else the table")
+                        help="print only the answer: the stack and its command under --gpu-memory "
+                             "(no table computed), else the table")
     parser.add_argument("--exact", action="store_true",
                         help="run every micro-batch of each row, not two (the same bytes, slower: "
                              "a check)")
@@ -256,43 +256,50 @@ def table_main(argv):
     except UnknownStep as problem:
         raise SystemExit(f"error: --steps: {problem}")
     flags = model_flags(args)
-    with quiet_while_working(args.quiet):  # the work's progress lines, unless --quiet
+    if args.gpu_memory is not None:  # the answer first, the moment it is known: the stack
+        with quiet_while_working(args.quiet):  # the work's progress lines, unless --quiet
+            chain, answer = the_stack(args, flags)
         if args.stack_only:
-            chain, answer = the_stack(args, flags)
-    if args.stack_only:
-        print(answer if args.quiet else f"{answer}\n\n{chain}")
-        if not args.quiet:
-            print(f"wall time {time.perf_counter() - start:.1f} s")
-        return 0
-    notes = [f"{step.name} trains --task {step.task} only: add --task {step.task} to estimate it"
-             for step in select(args.steps) if args.steps and step not in steps]
-    not_estimated = [step for step in steps if step.by_hand]
-    notes += [f"{step.name} is not estimated: {step.by_hand}" for step in not_estimated]
-    rows = [row for step in steps if not step.by_hand
-            for row in rows_for(step.path, args.preset, args.device, args.world_size, flags,
-                                args.gpu)]
-    fewer = sorted({row.world_size for row in rows if step_of(row.script).sharded} - {args.world_size})
-    if fewer:
-        notes.append(f"the distributed steps run on {fewer[0]} of the {args.world_size} GPUs "
-                     "(--world-size): the batch does not split into equal micro-batches over more")
-    with quiet_while_working(args.quiet):
-        outcomes = run_rows(rows, args.jobs)
+            print(answer if args.quiet else f"{answer}\n\n{chain}")
+            if not args.quiet:
+                print(f"wall time {time.perf_counter() - start:.1f} s")
+            return 0
+    try:  # Ctrl-C from here on leaves the answer on screen, and says what it stopped
         if args.gpu_memory is not None:
-            fits = search_all(rows, outcomes, args.capacity, args.jobs,
-                              lambda script: step_of(script).accum_steps > 1, search_interrupted)
-            chain, answer = the_stack(args, flags)
-    records = [record for record, _, _ in outcomes if record]
-    saved = save_records(args.results_dir, records) if records else None  # --quiet too
+            print(answer, flush=True)
+            if args.quiet:  # the answer alone: no table computed
+                return 0
+        notes = [f"{step.name} trains --task {step.task} only: add --task {step.task} to estimate it"
+                 for step in select(args.steps) if args.steps and step not in steps]
+        not_estimated = [step for step in steps if step.by_hand]
+        notes += [f"{step.name} is not estimated: {step.by_hand}" for step in not_estimated]
+        rows = [row for step in steps if not step.by_hand
+                for row in rows_for(step.path, args.preset, args.device, args.world_size, flags,
+                                    args.gpu)]
+        fewer = sorted({row.world_size for row in rows if step_of(row.script).sharded} - {args.world_size})
+        if fewer:
+            notes.append(f"the distributed steps run on {fewer[0]} of the {args.world_size} GPUs "
+                         "(--world-size): the batch does not split into equal micro-batches over more")
+        with quiet_while_working(args.quiet):
+            outcomes = run_rows(rows, args.jobs)
+            if args.gpu_memory is not None:
+                fits = search_all(rows, outcomes, args.capacity, args.jobs,
+                                  lambda script: step_of(script).accum_steps > 1, search_interrupted)
+    except KeyboardInterrupt:  # (one estimate at a time; the workers' pool says so itself)
+        raise SystemExit("\ninterrupted (Ctrl-C) " + ("after the answer, which stands: " if
+                         args.gpu_memory is not None else "") + f"no table, and {records.KEPT} is "
+                         "as it was") from None
+    made = [record for record, _, _ in outcomes if record]
+    saved = save_records(args.results_dir, made) if made else None  # --quiet too
     failures = [f"{row.label}: {problem}" for row, (_, problem, _) in zip(rows, outcomes)
                 if problem]
     status = 1 if failures else 0
-    if args.quiet:  # the answer alone; a row that failed still says so, on standard error
-        print(answer if args.gpu_memory is not None else rows_table(rows, outcomes, not_estimated))
+    if args.quiet:  # the table alone; a row that failed still says so, on standard error
+        print(rows_table(rows, outcomes, not_estimated))
         for failure in failures:
             print(f"note: {failure}", file=sys.stderr)
         return status
-    if args.gpu_memory is not None:  # the answer first, then what it rests on
-        print(answer)
+    if args.gpu_memory is not None:  # after the answer, what it rests on
         print("\n" + fit_table(fits, args.gpu_memory))
         notes += [f"{fit.script}: {fit.problem or fit.not_searched}" for fit in fits
                   if fit.problem or fit.not_searched]
@@ -335,6 +342,7 @@ def the_stack(args, flags):
     and its costs, the answer and its command)."""
     import torch
 
+    import estimate.fake.run  # noqa: F401 - imported once here, shared by the forked workers
     from common.model import model_class, model_config
     combined = STEPS["10"].path
     preset = PRESETS[args.preset] if args.model is None else parse_args(
