@@ -391,7 +391,7 @@ def test_ctrl_c_after_the_answer_leaves_it_on_screen(tmp_path):
     stops the rows (one at a time, in this process) and the answer stays above its one line."""
     status, output = interrupt_after(
         [sys.executable, "-m", "estimate", "--preset", "tiny", "--gpu-memory", "1GB", "--steps",
-         "04_grad_accum", "--jobs", "1", "--results-dir", str(tmp_path)], "with adapters", 600)
+         "04_grad_accum", "--jobs", "1", "--results-dir", str(tmp_path)], "with adapters", 300)
     assert status != 0  # a traceback only where Python dropped an interrupt (interrupt_after)
     assert output.count("Traceback (most recent call last)") == output.count("Exception ignored in")
     answer = output.index("The stack: bf16 fits batch 64")
