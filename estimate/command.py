@@ -19,7 +19,7 @@ from estimate.output import report_progress, rows_table, worker_pool
 from estimate.predict import EXACT_VARIABLE, Row, attempt, compiles
 from estimate.records import GB, PER_PARAMETER_NOTE, STUDY_RESERVED_GB, in_study_setting, save_records
 from estimate.search import walk
-from estimate.search.answers import chain_text, fit_table, stack_text
+from estimate.search.answers import adapters_text, chain_text, fit_table, stack_text
 from estimate.search.costs import Costs
 from estimate.search.fit import search_all, without_batch_flags
 from estimate.stack import COST
@@ -257,17 +257,16 @@ def table_main(argv):
         raise SystemExit(f"error: --steps: {problem}")
     flags = model_flags(args)
     if args.gpu_memory is not None:  # the answer first, the moment it is known: the stack
+        shown = sys.stdout
         with quiet_while_working(args.quiet):  # the work's progress lines, unless --quiet
-            chain, answer = the_stack(args, flags)
-        if args.stack_only:
-            print(answer if args.quiet else f"{answer}\n\n{chain}")
-            if not args.quiet:
-                print(f"wall time {time.perf_counter() - start:.1f} s")
-            return 0
+            chain, adapters = the_stack(args, flags, lambda text: print(text, file=shown, flush=True))
     try:  # Ctrl-C from here on leaves the answer on screen, and says what it stopped
         if args.gpu_memory is not None:
-            print(answer, flush=True)
-            if args.quiet:  # the answer alone: no table computed
+            if adapters:
+                print(adapters, flush=True)
+            if args.stack_only and not args.quiet:
+                print(f"\n{chain}\nwall time {time.perf_counter() - start:.1f} s")
+            if args.quiet or args.stack_only:  # the answer alone: no table computed
                 return 0
         notes = [f"{step.name} trains --task {step.task} only: add --task {step.task} to estimate it"
                  for step in select(args.steps) if args.steps and step not in steps]
@@ -337,9 +336,10 @@ def quiet_while_working(quiet):
         yield
 
 
-def the_stack(args, flags):
-    """The stack (estimate/stack.py) for the asked batch in --gpu-memory, as printed: (the chain
-    and its costs, the answer and its command)."""
+def the_stack(args, flags, show=print):
+    """The stack (estimate/stack.py) for the asked batch in --gpu-memory: its answer and command
+    given to `show` (to print) the moment they are known; returns the chain and its costs, and
+    the adapters' line that ends the answer, as printed."""
     import torch
 
     import estimate.fake.run  # noqa: F401 - imported once here, shared by the forked workers
@@ -357,8 +357,10 @@ def the_stack(args, flags):
     shape = (config.num_hidden_layers, config.hidden_size, getattr(config, "vocab_size", 0))
     costs = Costs(parameters, tokens, *shape,
                   interconnect=args.interconnect or COST["interconnect_bytes_per_s"])
-    answer, adapters = walk.answer_all(combined, base, batch_size, args.stack_world_size,
-                                       args.capacity, args.task, args.gpu, args.jobs, costs=costs,
-                                       parameters=parameters, host_capacity=args.host_capacity)
+    _, adapters = walk.answer_all(
+        combined, base, batch_size, args.stack_world_size, args.capacity, args.task, args.gpu,
+        args.jobs, costs=costs, parameters=parameters, host_capacity=args.host_capacity,
+        answered=lambda answer: show(stack_text(answer, shown, batch_size, args.capacity,
+                                                args.gpu_memory, [])))
     return (chain_text(args.task, parameters, tokens, shape, args.stack_world_size, costs.interconnect),
-            stack_text(answer, shown, batch_size, args.capacity, args.gpu_memory, adapters))
+            adapters_text(adapters))

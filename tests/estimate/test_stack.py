@@ -265,9 +265,9 @@ def test_the_4bit_links_bytes_a_parameter_are_those_05js_step_moves():
 
 
 def test_the_answer_comes_first_and_quiet_prints_it_alone(tmp_path, capsys, monkeypatch):
-    """--gpu-memory: the stack and its command are printed before the first row of the table is
-    estimated; --quiet: those lines alone, and no row of the table is computed (asked again: the
-    runs kept from the first ask)."""
+    """--gpu-memory: the stack and its command are printed before the adapters' runs and the first
+    row of the table are estimated; --quiet: the answer's lines alone, and no row of the table is
+    computed (asked again: the runs kept from the first ask)."""
     from estimate import command
     monkeypatch.setenv("ESTIMATE_CACHE", str(tmp_path / "kept"))
     flags = ["--preset", "tiny", "--steps", "04", "--gpu-memory", "1GB", "--results-dir",
@@ -282,7 +282,8 @@ def test_the_answer_comes_first_and_quiet_prints_it_alone(tmp_path, capsys, monk
     assert command.main(flags) == 0
     (count, before_rows), = rows_run
     assert count == 3 and "[1/3]" not in before_rows  # 04, 04a, 04b
-    assert before_rows.strip().splitlines()[-3].startswith("The stack: bf16 fits batch 64")
+    assert before_rows.index("The stack: bf16 fits batch 64") < before_rows.index(
+        "[stack] --lora-rank 8:") < before_rows.index("with adapters")
     rest = capsys.readouterr().out
     assert rest.startswith("[1/3] 04") and "The stack:" not in rest and "| script |" in rest
     (tmp_path / "estimate.json").unlink()
