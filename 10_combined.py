@@ -1359,7 +1359,13 @@ def sequence_loss(model, inputs, labels):  # sequence parallel
 
 
 def check_split(args, world_size):  # sequence parallel: the texts' tokens, and the heads
-    length, heads = preset_for(args).max_length, model_config(preset_for(args)).num_attention_heads
+    config = model_config(preset_for(args))
+    length, heads = preset_for(args).max_length, config.num_attention_heads
+    if getattr(config, "sliding_window", None) and config.sliding_window < length:  # (its mask)
+        raise SystemExit(f"error: the model attends within a sliding window of "
+                         f"{config.sliding_window} tokens, which only its mask keeps and the "
+                         f"gathered causal attention would not: use --seq-len {config.sliding_window} "
+                         "or less, or 07_fsdp.py")
     if length % world_size or heads % world_size or args.batch_size % args.accum_steps:
         raise SystemExit(f"error: {length} tokens (--seq-len) and {heads} attention heads in "
                          f"{world_size} processes, or --batch-size {args.batch_size} in "

@@ -192,3 +192,15 @@ def test_an_attention_causal_only_by_its_mask_is_refused(tmp_path):
     with pytest.raises(EstimateError, match="causal only by a mask"):
         predict(script_path("08a"), [*model_flags(folder, "BLOOM"), "--device", "cpu"],
                 world_size=WORLD_SIZE)
+
+
+def test_a_sliding_window_shorter_than_the_texts_is_refused(tmp_path):
+    """A sliding window lives in the model's mask, which sequence parallelism does without: the
+    gathered causal attention would attend past it."""
+    folder = write_model(tmp_path / "Qwen2", "Qwen2")
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps(
+        {**config, "use_sliding_window": True, "sliding_window": 4, "max_window_layers": 0}))
+    with pytest.raises(EstimateError, match="sliding window of 4 tokens"):
+        predict(script_path("08a"), [*model_flags(folder, "Qwen2"), "--device", "cpu"],
+                world_size=WORLD_SIZE)
