@@ -17,7 +17,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from estimate.command import main as estimate_table
-from estimate.command import resources_used
+from estimate.output import resources_used
 from estimate.records import GB, load_estimates
 
 TARGET_SECONDS, TARGET_RSS_GB, TARGET_RATIO_OFF = 60, 2.0, 0.10

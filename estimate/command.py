@@ -3,11 +3,10 @@ import argparse
 import io
 import os
 import re
-import resource
 import sys
 import time
 from concurrent.futures import as_completed
-from contextlib import contextmanager, redirect_stderr, redirect_stdout
+from contextlib import redirect_stderr
 from pathlib import Path
 
 import estimate
@@ -15,11 +14,11 @@ from common.cli import add_shared_flags, parse_args, positive_int, unwritable
 from common.presets import PRESETS
 from estimate import records
 from estimate.gpu_choices import DEFAULT_GPU, GPUS, gpu_problem
-from estimate.output import report_progress, rows_table, worker_pool
+from estimate.output import quiet_while_working, report_progress, resources_used, rows_table, worker_pool
 from estimate.predict import EXACT_VARIABLE, Row, attempt, compiles
 from estimate.records import GB, PER_PARAMETER_NOTE, STUDY_RESERVED_GB, in_study_setting, save_records
 from estimate.search import longest, walk
-from estimate.search.answers import chain_text, fit_table, stack_text
+from estimate.search.answers import adapters_text, chain_text, fit_table, stack_text
 from estimate.search.costs import Costs
 from estimate.search.fit import search_all, without_batch_flags
 from estimate.stack import COST
@@ -94,15 +93,6 @@ def expected_work(row):
     return compiled * passes * (2 if step_of(row.script).sharded else 1)  # sharding doubles the operators
 
 
-def resources_used():
-    """CPU seconds of this process and its finished workers, and the peak resident memory (GB)
-    of this process and of the largest worker (Linux reports ru_maxrss in KiB)."""
-    own = resource.getrusage(resource.RUSAGE_SELF)
-    workers = resource.getrusage(resource.RUSAGE_CHILDREN)
-    cpu_seconds = own.ru_utime + own.ru_stime + workers.ru_utime + workers.ru_stime
-    return cpu_seconds, own.ru_maxrss * 1024 / GB, workers.ru_maxrss * 1024 / GB
-
-
 def parse_table_args(argv):
     parser = argparse.ArgumentParser(
         prog="python -m estimate", description=estimate.__doc__, allow_abbrev=False,
@@ -142,8 +132,8 @@ def parse_table_args(argv):
                         help="estimates run at once, one process each (default: 2)")
     parser.add_argument("--results-dir", default="results", help="where estimate.json goes")
     parser.add_argument("--quiet", action="store_true",
-                        help="print only the answer: the stack and its command under --gpu-memory, "
-                             "else the table")
+                        help="print only the answer: the stack and its command under --gpu-memory "
+                             "(no table computed), else the table")
     parser.add_argument("--exact", action="store_true",
                         help="run every micro-batch of each row, not two (the same bytes, slower: "
                              "a check)")
@@ -283,43 +273,49 @@ def table_main(argv):
             answer = longest.answer(args, flags, GPUS[args.gpu].name)
         print(answer)
         return 0
-    with quiet_while_working(args.quiet):  # the work's progress lines, unless --quiet
-        if args.stack_only:
-            chain, answer = the_stack(args, flags)
-    if args.stack_only:
-        print(answer if args.quiet else f"{answer}\n\n{chain}")
-        if not args.quiet:
-            print(f"wall time {time.perf_counter() - start:.1f} s")
-        return 0
-    notes = [f"{step.name} trains --task {step.task} only: add --task {step.task} to estimate it"
-             for step in select(args.steps) if args.steps and step not in steps]
-    not_estimated = [step for step in steps if step.by_hand]
-    notes += [f"{step.name} is not estimated: {step.by_hand}" for step in not_estimated]
-    rows = [row for step in steps if not step.by_hand
-            for row in rows_for(step.path, args.preset, args.device, args.world_size, flags,
-                                args.gpu)]
-    fewer = sorted({row.world_size for row in rows if step_of(row.script).sharded} - {args.world_size})
-    if fewer:
-        notes.append(f"the distributed steps run on {fewer[0]} of the {args.world_size} GPUs "
-                     "(--world-size): the batch does not split into equal micro-batches over more")
-    with quiet_while_working(args.quiet):
-        outcomes = run_rows(rows, args.jobs)
+    if args.gpu_memory is not None:  # the answer first, the moment it is known: the stack
+        shown = sys.stdout
+        with quiet_while_working(args.quiet):  # the work's progress lines, unless --quiet
+            chain, adapters = the_stack(args, flags, lambda text: print(text, file=shown, flush=True))
+    try:  # Ctrl-C from here on leaves the answer on screen, and says what it stopped
         if args.gpu_memory is not None:
-            fits = search_all(rows, outcomes, args.capacity, args.jobs,
-                              lambda script: step_of(script).accum_steps > 1, search_interrupted)
-            chain, answer = the_stack(args, flags)
-    records = [record for record, _, _ in outcomes if record]
-    saved = save_records(args.results_dir, records) if records else None  # --quiet too
+            if adapters:
+                print(adapters, flush=True)
+            if args.stack_only and not args.quiet:
+                print(f"\n{chain}\nwall time {time.perf_counter() - start:.1f} s")
+            if args.quiet or args.stack_only:  # the answer alone: no table computed
+                return 0
+        notes = [f"{step.name} trains --task {step.task} only: add --task {step.task} to estimate it"
+                 for step in select(args.steps) if args.steps and step not in steps]
+        not_estimated = [step for step in steps if step.by_hand]
+        notes += [f"{step.name} is not estimated: {step.by_hand}" for step in not_estimated]
+        rows = [row for step in steps if not step.by_hand
+                for row in rows_for(step.path, args.preset, args.device, args.world_size, flags,
+                                    args.gpu)]
+        fewer = sorted({row.world_size for row in rows if step_of(row.script).sharded} - {args.world_size})
+        if fewer:
+            notes.append(f"the distributed steps run on {fewer[0]} of the {args.world_size} GPUs "
+                         "(--world-size): the batch does not split into equal micro-batches over more")
+        with quiet_while_working(args.quiet):
+            outcomes = run_rows(rows, args.jobs)
+            if args.gpu_memory is not None:
+                fits = search_all(rows, outcomes, args.capacity, args.jobs,
+                                  lambda script: step_of(script).accum_steps > 1, search_interrupted)
+    except KeyboardInterrupt:  # (one estimate at a time; the workers' pool says so itself)
+        raise SystemExit("\ninterrupted (Ctrl-C) " + ("after the answer, which stands: " if
+                         args.gpu_memory is not None else "") + f"no table, and {records.KEPT} is "
+                         "as it was") from None
+    made = [record for record, _, _ in outcomes if record]
+    saved = save_records(args.results_dir, made) if made else None  # --quiet too
     failures = [f"{row.label}: {problem}" for row, (_, problem, _) in zip(rows, outcomes)
                 if problem]
     status = 1 if failures else 0
-    if args.quiet:  # the answer alone; a row that failed still says so, on standard error
-        print(answer if args.gpu_memory is not None else rows_table(rows, outcomes, not_estimated))
+    if args.quiet:  # the table alone; a row that failed still says so, on standard error
+        print(rows_table(rows, outcomes, not_estimated))
         for failure in failures:
             print(f"note: {failure}", file=sys.stderr)
         return status
-    if args.gpu_memory is not None:  # the answer first, then what it rests on
-        print(answer)
+    if args.gpu_memory is not None:  # after the answer, what it rests on
         print("\n" + fit_table(fits, args.gpu_memory))
         notes += [f"{fit.script}: {fit.problem or fit.not_searched}" for fit in fits
                   if fit.problem or fit.not_searched]
@@ -346,17 +342,6 @@ def search_interrupted():
     return f"during the --gpu-memory search: no table of what fits, and {records.KEPT} is as it was"
 
 
-@contextmanager
-def quiet_while_working(quiet):
-    """With --quiet, what the work prints while inside (a row's line, the search's bar, the
-    stack's prefixes) goes nowhere, in this process and in the workers it starts."""
-    if not quiet:
-        yield
-        return
-    with redirect_stdout(io.StringIO()):
-        yield
-
-
 def stack_preset(args, flags):
     """The preset's settings the stack's runs take: the named preset's, or the --model's."""
     return PRESETS[args.preset] if args.model is None else parse_args(
@@ -372,11 +357,13 @@ def check_the_batch_splits(args, flags):
                f"{args.stack_world_size}, or fewer GPUs")
 
 
-def the_stack(args, flags):
-    """The stack (estimate/stack.py) for the asked batch in --gpu-memory, as printed: (the chain
-    and its costs, the answer and its command)."""
+def the_stack(args, flags, show=print):
+    """The stack (estimate/stack.py) for the asked batch in --gpu-memory: its answer and command
+    given to `show` (to print) the moment they are known; returns the chain and its costs, and
+    the adapters' line that ends the answer, as printed."""
     import torch
 
+    import estimate.fake.run  # noqa: F401 - imported once here, shared by the forked workers
     from common.model import model_class, model_config
     combined = STEPS["10"].path
     preset = stack_preset(args, flags)
@@ -391,8 +378,10 @@ def the_stack(args, flags):
     shape = (tower.num_hidden_layers, tower.hidden_size, getattr(config, "vocab_size", 0))
     costs = Costs(parameters, tokens, *shape,
                   interconnect=args.interconnect or COST["interconnect_bytes_per_s"])
-    answer, adapters = walk.answer_all(combined, base, batch_size, args.stack_world_size,
-                                       args.capacity, args.task, args.gpu, args.jobs, costs=costs,
-                                       parameters=parameters, host_capacity=args.host_capacity)
+    _, adapters = walk.answer_all(
+        combined, base, batch_size, args.stack_world_size, args.capacity, args.task, args.gpu,
+        args.jobs, costs=costs, parameters=parameters, host_capacity=args.host_capacity,
+        answered=lambda answer: show(stack_text(answer, shown, batch_size, args.capacity,
+                                                args.gpu_memory, [])))
     return (chain_text(args.task, parameters, tokens, shape, args.stack_world_size, costs.interconnect),
-            stack_text(answer, shown, batch_size, args.capacity, args.gpu_memory, adapters))
+            adapters_text(adapters))

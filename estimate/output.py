@@ -7,15 +7,17 @@ The workers are forked (they share the parent's imports), and Ctrl-C stops them 
 ignore it, the parent ends them and says how far it got.
 """
 import gc
+import io
 import multiprocessing
+import resource
 import shutil
 import signal
 import sys
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
-from contextlib import contextmanager
+from contextlib import contextmanager, redirect_stdout
 
-from estimate.records import estimate_table, read_estimate, size_text
+from estimate.records import GB, estimate_table, read_estimate, size_text
 
 
 def took_text(seconds):
@@ -109,3 +111,23 @@ def in_order(function, items, jobs, interrupted):
         finally:
             if not all(future.done() for future in futures):
                 stop(pool)
+
+
+def resources_used():
+    """CPU seconds of this process and its finished workers, and the peak resident memory (GB)
+    of this process and of the largest worker (Linux reports ru_maxrss in KiB)."""
+    own = resource.getrusage(resource.RUSAGE_SELF)
+    workers = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu_seconds = own.ru_utime + own.ru_stime + workers.ru_utime + workers.ru_stime
+    return cpu_seconds, own.ru_maxrss * 1024 / GB, workers.ru_maxrss * 1024 / GB
+
+
+@contextmanager
+def quiet_while_working(quiet):
+    """With --quiet, what the work prints while inside (a row's line, the search's bar, the
+    stack's prefixes) goes nowhere, in this process and in the workers it starts."""
+    if not quiet:
+        yield
+        return
+    with redirect_stdout(io.StringIO()):
+        yield

@@ -100,6 +100,12 @@ def stack_text(answer, model_argv, batch_size, capacity, size, adapter_answers):
                     else "what its switches keep there")
             lines.append(f"  host memory: {size_text(answer.host_bytes)} a process ({held}, "
                          f"pinned blocks as the host allocator rounds them){machine}, beside the GPU's")
+    adapters = adapters_text(adapter_answers)
+    return "\n".join([*lines, adapters] if adapters else lines)
+
+
+def adapters_text(adapter_answers):
+    """The adapters' line of the stack's answer ("" without them)."""
     words = []
     for switches, fit, problem in adapter_answers:
         name = " ".join(argv_of(switches))
@@ -110,9 +116,7 @@ def stack_text(answer, model_argv, batch_size, capacity, size, adapter_answers):
             words.append(f"{name}: not even micro-batch 1 ({size_text(reserved)})")
         else:
             words.append(f"{name}: {micro_words(fit)}, --accum-steps {accumulation_for(fit)}")
-    if words:
-        lines.append("with adapters (they train something else): " + "; ".join(words))
-    return "\n".join(lines)
+    return "with adapters (they train something else): " + "; ".join(words) if words else ""
 
 
 def peak_words(fit):

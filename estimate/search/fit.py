@@ -14,9 +14,11 @@ A step at micro-batches of m samples makes the same allocations as at m', each o
 line in the size (shortcuts/sizes.py), so search() runs the script at two sizes (the asked batch's row of
 the table, and four times a guess at the answer: first_guess, from the activations and
 temporaries at the asked row's peak per sample), writes the trace of any size from the line and
-bisects on replays of it; the answer and the next size up (one sample more up to 32, then the
-next multiple of 8: the sizes GPUs prefer) are then estimated, and must be the traces written.
-A later search whose answer lies between sizes run, on a line a run has checked, needs no run.
+bisects on replays of it; a third run, off the line, then checks it: the answer's (or, where the
+answer was run, the next size up's: one sample more up to 32, then the next multiple of 8, the
+sizes GPUs prefer), which must be the trace written; a size written beyond the runs is run too.
+The next size up is then written between runs on a checked line (grid.confirmations). A later
+search whose answer lies between sizes run, on a line a run has checked, needs no run.
 Where the runs make no line (a choice by the size), search_by_estimates estimates every size
 tried: a line through two estimates gives a candidate, and estimates confirm it. Which sizes
 run is grid.py's to say; the runs, the line and every figure are the Question's
@@ -29,7 +31,7 @@ from estimate.output import ProgressBar, size_text, worker_pool
 from estimate.question import SMALLEST, NotBySizes, Question
 from estimate.search import grid
 
-MAX_ESTIMATES = 12  # per script: two for the line, then confirmations (usually two)
+MAX_ESTIMATES = 12  # per script: two for the line, then confirmations (usually one)
 NOT_SEARCHED = ("compiled: its memory budget is solved over the whole joint graph of the step, "
                 "so it is estimated once, at the asked size (no search)")
 
@@ -57,10 +59,9 @@ def search(question, capacity, known=None, cap=grid.MAX_MICRO_BATCH, per_sample=
     """The largest micro-batch per process of `question` (a Question) whose predicted reserved
     memory is at most `capacity` bytes (to the granule: one sample up to 32, then 8), or `cap`
     (search_by_estimates' arguments): from the traces of a few sizes, written for any size
-    (shortcuts/sizes.py) and replayed; the answer and the next size up each confirmed by an
-    estimate of its own, unless the line was checked already on a size it was not drawn through,
-    and the size lies between sizes estimated. Where the runs make no family of sizes, every size
-    tried is estimated (search_by_estimates), the runs made so far counted."""
+    (shortcuts/sizes.py) and replayed; the line checked by a third run, the answer's, and a size
+    written beyond the runs estimated (grid.confirmations). Where the runs make no family of
+    sizes, every size tried is estimated (search_by_estimates), the runs made so far counted."""
     found = Fit(question.name, question.accumulates, capacity=capacity, tried=dict(known or {}))
     if cap < SMALLEST:  # one sample a process is the whole batch (8 on 8 GPUs): nothing to search
         if 1 not in found.tried:

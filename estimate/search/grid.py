@@ -27,11 +27,18 @@ def line_sizes(runs, tried, capacity, per_sample, cap):
 
 def confirmations(answer, cap, runs, line):
     """The sizes to run to confirm `answer` (None: not even SMALLEST fits) on `line` (a Family):
-    it and the next size up, each unless run already, or written between the sizes run on a line
-    checked on a run it was not drawn through."""
+    of it and the next size up, those not run already and not written between the sizes run on a
+    line checked on a run it was not drawn through. Each written beyond the runs (an
+    extrapolation) is run; where both lie between and the line is not checked yet, one run, the
+    answer's, checks it (a third point off a line through two): the next size is then written
+    between runs on a checked line. A choice made by the size that the code declares
+    (shortcuts/sizes.py) makes no line at all: every size is then estimated."""
     asked = [answer or 1] + ([next_size(answer)] if answer and answer < cap else [])
-    checked = len(line.sizes) >= 3
-    return [micro for micro in asked if micro not in runs and not (checked and line.between(micro))]
+    due = [micro for micro in asked if micro not in runs]
+    if len(line.sizes) >= 3:  # checked
+        return [micro for micro in due if not line.between(micro)]
+    beyond = [micro for micro in due if not line.between(micro)]
+    return beyond or due[:1]
 
 
 def next_size(size):

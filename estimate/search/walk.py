@@ -260,9 +260,10 @@ def settle(task, batch_size):
 
 
 def answer_all(script, base_argv, batch_size, world_size, capacity, task, gpu, jobs=1, report=print,
-               costs=None, parameters=0, host_capacity=None):
+               costs=None, parameters=0, host_capacity=None, answered=None):
     """The stack (walk, its chain ordered and weighed by `costs`, its prefixes floored by
-    `parameters`) and the adapters' answers, their searches up to `jobs` at a time."""
+    `parameters`) and the adapters' answers, their searches up to `jobs` at a time; the stack's
+    answer, searched, is given to `answered` as soon as it is known, before the adapters' end."""
     answer = walk(script, base_argv, batch_size, world_size, capacity, task, gpu, report, jobs,
                   searched=False, costs=costs, parameters=parameters, host_capacity=host_capacity)
     activation = activation_switches(answer)
@@ -272,10 +273,13 @@ def answer_all(script, base_argv, batch_size, world_size, capacity, task, gpu, j
     unsearched = answer.link is not None and answer.fit is None  # a weighed answer was searched
     if unsearched:
         tasks.insert(0, ("search", answer.search))
-    fits = list(in_order(partial(settle, batch_size=batch_size), tasks, jobs,
-                         lambda: "during the stack's searches: no stack"))
-    if unsearched:
-        answer.fit = fits.pop(0)
+    results = in_order(partial(settle, batch_size=batch_size), tasks, jobs,
+                       lambda: "during the stack's searches: no stack")
+    if unsearched:  # (the first task: the adapters' go on beside it)
+        answer.fit = next(results)
+    if answered:
+        answered(answer)
+    fits = list(results)
     adapter_answers = [(switches, None, fit) if isinstance(fit, str) else (switches, fit, None)
                        for switches, fit in zip(switch_sets, fits)]
     return answer, adapter_answers

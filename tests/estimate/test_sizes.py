@@ -88,22 +88,75 @@ def test_the_4bit_matmul_chooses_by_size_and_is_not_written():
                                                            ("05c", True, 1), ("08", True, 2)])
 def test_the_search_by_sizes_finds_the_largest_that_fits_each_size_estimated(step, accumulates,
                                                                            world_size, tmp_path):
-    """The answer fits and the next size does not, each an estimate of its own, equal to the
-    whole run's (every block, every micro-batch) to the byte."""
+    """The answer fits and the next size does not, each (estimated, or written from the checked
+    line) equal to the whole run's (every block, every micro-batch) to the byte."""
     folder = write_model(tmp_path / "bert", "BERT")
     flags = [*model_flags(folder, "BERT"), "--device", "cuda"]
     at = {size: record_of(kept)["reserved_bytes"]
           for size, kept in runs(step, flags, (2, 200), world_size, accumulates).items()}
     capacity = (at[2] + at[200]) // 2
-    found = search(Question(script_path(step), flags, world_size, accumulates=accumulates), capacity)
+    question = Question(script_path(step), flags, world_size, accumulates=accumulates)
+    found = search(question, capacity)
     assert found.problem is None and found.not_by_sizes is None and found.written
     assert 2 < found.largest < 200
-    assert found.tried[found.largest][1] <= capacity < found.tried[next_size(found.largest)][1]
-    for size in (found.largest, next_size(found.largest)):
-        row = Question(script_path(step), flags, world_size, accumulates=accumulates).row(size)
+    answered = {size: found.tried.get(size) or figures(record_of(question.line.written(size)))
+                for size in (found.largest, next_size(found.largest))}
+    assert answered[found.largest][1] <= capacity < answered[next_size(found.largest)][1]
+    for size in answered:
+        row = question.row(size)
         exact = predict(row.script, row.argv, world_size=world_size, any_batch_size=True,
                         exact=True)
-        assert (exact["allocated_bytes"], exact["reserved_bytes"]) == found.tried[size]
+        assert figures(exact) == answered[size]
+
+
+def figures(record):
+    return record["allocated_bytes"], record["reserved_bytes"]
+
+
+@pytest.mark.parametrize("name", [name for name in ARCHITECTURES if name != "ResNet"])
+def test_the_sizes_the_search_answers_with_are_written_as_they_run(name, tmp_path, monkeypatch):
+    """The line through two runs is checked by one run, the answer's; the next size up is then
+    written, not run, and equals its estimate and the whole run's to the byte (allocated,
+    reserved, breakdown), on every architecture."""
+    monkeypatch.setenv("ESTIMATE_CACHE", str(tmp_path / "kept"))  # the known sizes' runs found
+    folder = write_model(tmp_path / re.sub(r"\W", "", name.lower()), name)
+    flags = [*model_flags(folder, name), "--device", "cuda"]
+    question = Question(script_path("04"), flags)
+    known = {size: question.estimate(size) for size in (2, 40)}
+    capacity = (known[2][1] + known[40][1]) // 2
+    question = Question(script_path("04"), flags)
+    found = search(question, capacity, known)
+    assert found.problem is None and found.not_by_sizes is None
+    assert found.estimated == 1 and set(question.runs) == {2, 40, found.largest}  # the check
+    beyond = next_size(found.largest)
+    written = record_of(question.line.written(beyond))
+    assert found.tried[found.largest][1] <= capacity < written["reserved_bytes"]
+    row = question.row(beyond)
+    estimated, exact = record_of(run_for(row)), predict(row.script, row.argv, any_batch_size=True,
+                                                        exact=True)
+    assert {key: written[key] for key in COMPARED} == {key: estimated[key] for key in COMPARED}
+    assert figures(written) == figures(exact)
+    assert written["breakdown_bytes"] == exact["breakdown_bytes"]
+
+
+def test_a_choice_by_the_size_left_undeclared_is_caught_by_the_check_run(tmp_path, monkeypatch):
+    """A script that allocates by the square of its micro-batch, and says nothing: its runs at
+    two sizes make a line all the same, and the run that checks it, off the line, is not the
+    trace written there; every size is then estimated."""
+    monkeypatch.setenv("ESTIMATE_CACHE", str(tmp_path / "kept"))
+    source = script_path("04").read_text()
+    line = "        loss.backward()\n"
+    planted = tmp_path / "04_planted.py"
+    planted.write_text(source.replace(line, line + "        torch.empty(len(micro_labels) ** 2 * "
+                                      "4096, device=micro_labels.device)  # by the size, unsaid\n", 1))
+    assert planted.read_text() != source and "import torch" in source
+    question = Question(planted, ["--device", "cuda"])
+    known = {size: question.estimate(size) for size in (2, 40)}
+    capacity = (known[2][1] + known[40][1]) // 2
+    found = search(Question(planted, ["--device", "cuda"]), capacity, known)
+    assert found.not_by_sizes and "not on the line" in found.not_by_sizes
+    exact = search_by_estimates(Question(planted, ["--device", "cuda"]), capacity, known)
+    assert found.largest == exact.largest and found.tried[found.largest][1] <= capacity
 
 
 def test_a_search_of_a_size_dependent_run_estimates_every_size(llama):

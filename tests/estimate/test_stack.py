@@ -287,19 +287,31 @@ def test_the_4bit_links_bytes_a_parameter_are_those_05js_step_moves():
 
 
 def test_the_answer_comes_first_and_quiet_prints_it_alone(tmp_path, capsys, monkeypatch):
-    """--gpu-memory: the stack and its command before the tables; --quiet: those lines alone
-    (asked again: the runs kept from the first ask)."""
-    from estimate.command import main
+    """--gpu-memory: the stack and its command are printed before the adapters' runs and the first
+    row of the table are estimated; --quiet: the answer's lines alone, and no row of the table is
+    computed (asked again: the runs kept from the first ask)."""
+    from estimate import command
     monkeypatch.setenv("ESTIMATE_CACHE", str(tmp_path / "kept"))
     flags = ["--preset", "tiny", "--steps", "04", "--gpu-memory", "1GB", "--results-dir",
              str(tmp_path), "--jobs", "1"]
-    assert main(flags) == 0
-    loud = capsys.readouterr().out
-    assert loud.index("The stack:") < loud.index("| script |")
+    rows_run = []
+
+    def run_rows(rows, jobs):  # what the output holds when the table's rows start
+        rows_run.append((len(rows), capsys.readouterr().out))
+        return table_rows(rows, jobs)
+    table_rows = command.run_rows
+    monkeypatch.setattr(command, "run_rows", run_rows)
+    assert command.main(flags) == 0
+    (count, before_rows), = rows_run
+    assert count == 3 and "[1/3]" not in before_rows  # 04, 04a, 04b
+    assert before_rows.index("The stack: bf16 fits batch 64") < before_rows.index(
+        "[stack] --lora-rank 8:") < before_rows.index("with adapters")
+    rest = capsys.readouterr().out
+    assert rest.startswith("[1/3] 04") and "The stack:" not in rest and "| script |" in rest
     (tmp_path / "estimate.json").unlink()
-    assert main([*flags, "--quiet"]) == 0
+    assert command.main([*flags, "--quiet"]) == 0
     quiet = capsys.readouterr().out.strip().splitlines()
-    assert (tmp_path / "estimate.json").exists()  # the records are written all the same
+    assert len(rows_run) == 1 and not (tmp_path / "estimate.json").exists()  # no row computed
     assert quiet[0].startswith("The stack: bf16 fits batch 64")
     assert quiet[1].strip().startswith("python 10_combined.py --preset tiny --batch-size 64")
     assert len(quiet) == 3 and quiet[2].startswith("with adapters")
