@@ -303,11 +303,11 @@ def test_the_answer_comes_first_and_quiet_prints_it_alone(tmp_path, capsys, monk
     monkeypatch.setattr(command, "run_rows", run_rows)
     assert command.main(flags) == 0
     (count, before_rows), = rows_run
-    assert count == 3 and "[1/3]" not in before_rows  # 04, 04a, 04b
+    assert count == 4 and "[1/4]" not in before_rows  # 04, 04a, 04b, 04c
     assert before_rows.index("The stack: bf16 fits batch 64") < before_rows.index(
         "[stack] --lora-rank 8:") < before_rows.index("with adapters")
     rest = capsys.readouterr().out
-    assert rest.startswith("[1/3] 04") and "The stack:" not in rest and "| script |" in rest
+    assert rest.startswith("[1/4] 04") and "The stack:" not in rest and "| script |" in rest
     (tmp_path / "estimate.json").unlink()
     assert command.main([*flags, "--quiet"]) == 0
     quiet = capsys.readouterr().out.strip().splitlines()
