@@ -135,7 +135,11 @@ def tokenized(texts, labels, tokenizer, max_length, task="classification"):
     the next token) and leaves IGNORED out of its loss, as supervised finetuning does."""
     import datasets
 
-    encoded = tokenizer(texts, padding="max_length", truncation=True, max_length=max_length)
+    # causal-lm: padded on the right (as a tokenizer that pads left, BLOOM's, would not), so each
+    # text starts at position 0 and no token comes after padding (08a's attention has no mask)
+    side = "right" if task == "causal-lm" else None
+    encoded = tokenizer(texts, padding="max_length", truncation=True, max_length=max_length,
+                        padding_side=side)
     sequence = datasets.Sequence(datasets.Value("int64"), length=max_length)
     if task == "causal-lm":
         labels = [[token if real else IGNORED for token, real in zip(ids, mask)]

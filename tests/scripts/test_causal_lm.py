@@ -189,16 +189,22 @@ def test_a_process_with_a_smaller_share_runs_as_many_forwards_and_counts_its_tex
     assert all(counted == expected for counted, expected in tokens.values())
 
 
-def test_the_text_labels_are_the_tokens_with_padding_left_out():
+@pytest.mark.parametrize("side", ["right", "left"])
+def test_the_text_labels_are_the_tokens_with_padding_left_out_after_them(side):
+    """Padding after each text, even where the tokenizer pads on the left (BLOOM's): a text
+    starts at position 0, and causal attention without a mask (08a) never reads padding."""
     from common.data import IGNORED, tokenized, tokenizer_for
     from common.presets import PRESETS, for_task
     preset = for_task(PRESETS["tiny-text"], "causal-lm")
+    tokenizer = tokenizer_for(preset)
+    tokenizer.padding_side = side
     data = tokenized(["a short review", "a review that is a good deal longer than that"],
-                     [0, 1], tokenizer_for(preset), 12, task="causal-lm")
+                     [0, 1], tokenizer, 12, task="causal-lm")
     for sample in data:
         real = sample["attention_mask"] == 1
         assert torch.equal(sample["label"][real], sample["input_ids"][real])
         assert (sample["label"][~real] == IGNORED).all()
+        assert torch.equal(real, torch.arange(12) < real.sum())  # the text first, then padding
     assert (data[0]["attention_mask"] == 0).any()  # the short one is padded
 
 
