@@ -1295,8 +1295,9 @@ class AllToAll(torch.autograd.Function):  # sequence parallel
 
     @staticmethod
     def forward(ctx, sent):
+        sent = sent.contiguous()  # a gradient may come strided: both sides dense, as NCCL needs
         received = torch.empty_like(sent)
-        dist.all_to_all_single(received, sent.contiguous())
+        dist.all_to_all_single(received, sent)
         return received
 
     backward = forward
