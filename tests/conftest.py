@@ -89,7 +89,7 @@ def run_script(name, args, results_dir, module=None):
 # fixtures that train (or estimate) once and are shared by the tests that only read what they made
 SHARED_ACROSS_MODULES = {"quick_runs", "quick_records", "runs", "trained", "compiled"}
 SHARED_IN_A_MODULE = {"probed_runs", "unsharded", "estimated_once", "every_prefix", "between",
-                      "predicted"}
+                      "predicted", "two_process_runs"}
 
 
 def pytest_configure(config):

@@ -89,16 +89,35 @@ def test_every_architecture_trains_on_every_step_and_its_estimate_is_that_runs_p
     assert predicted["model_state_bytes_per_parameter"] == real["model_state_bytes_per_parameter"]
 
 
-@pytest.mark.timeout(300)
-@pytest.mark.parametrize("name, step", TWO_PROCESSES)
-def test_the_sharded_steps_train_in_two_processes(name, step, models, tmp_path):
-    """torchrun, gloo: each process holds half of every parameter; 2 optimizer steps."""
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               "--nproc_per_node=2", str(SCRIPTS[step]), *model_flags(models[name], name),
-               *QUICK, "--results-dir", str(tmp_path)]
-    code, output = run_to_end(command)
+@pytest.fixture(scope="module")
+def two_process_runs(models, tmp_path_factory):
+    """Every case of TWO_PROCESSES for 2 optimizer steps, in one torchrun launch of 2 processes
+    (tests/support/sharded_runs.py: starting torchrun and two Pythons is most of a small run's
+    time): {(name, step): its record}."""
+    root = tmp_path_factory.mktemp("two-processes")
+    runs = [[f"{name}-{step}", step, [*model_flags(models[name], name), *QUICK]]
+            for name, step in TWO_PROCESSES]
+    (root / "runs.json").write_text(json.dumps(runs))
+    code, output = run_to_end([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                               "--nproc_per_node=2", "tests/support/sharded_runs.py",
+                               str(root / "out"), str(root / "runs.json")],
+                              timeout=TWO_PROCESSES_TIMEOUT)
     assert code == 0, output
-    real = json.loads(next(tmp_path.glob("*.json")).read_text())
+    return {(name, step): [json.loads(path.read_text()) if path.suffix == ".json" else path.read_text()
+                           for path in (root / "out" / f"{name}-{step}").iterdir()
+                           if path.name == "stopped.txt" or not path.name.endswith("-steps.json")][0]
+            for name, step in TWO_PROCESSES}
+
+
+TWO_PROCESSES_TIMEOUT = 60 * len(TWO_PROCESSES)  # seconds; a run takes a few
+
+
+@pytest.mark.timeout(TWO_PROCESSES_TIMEOUT + 60)
+@pytest.mark.parametrize("name, step", TWO_PROCESSES)
+def test_the_sharded_steps_train_in_two_processes(name, step, two_process_runs):
+    """torchrun, gloo: each process holds half of every parameter; 2 optimizer steps."""
+    real = two_process_runs[name, step]
+    assert not isinstance(real, str), f"stopped: {real}"
     assert_trained(real, world_size=2)
 
 

@@ -37,6 +37,9 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository, for steps.py
+sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # tests/, for conftest
+import common.data  # noqa: E402
+from conftest import SMALL_SNIPPET_SPLITS  # noqa: E402
 from steps import STEPS, import_script  # noqa: E402
 
 COLLECTIVES = ("all_gather_single", "reduce_scatter_single", "all_reduce", "broadcast",
@@ -141,6 +144,7 @@ def empty_tensors_noted(steps):
 
 def main():
     out_dir, runs = Path(sys.argv[1]), json.loads(Path(sys.argv[2]).read_text())
+    common.data.SNIPPET_SPLITS = SMALL_SNIPPET_SPLITS  # tiny-text: quick evaluations
     with groups_apart(), collectives_letting_go():
         for name, step, argv in runs:
             steps = []
