@@ -56,36 +56,33 @@ def models(tmp_path_factory):
     return found
 
 
-def probed(out_dir, step, processes, flags):
-    """The step's first optimizer step in `processes` processes, in float32: (its record, each
-    process's notes, each process's gradient shards by name)."""
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               f"--nproc_per_node={processes}", "tests/support/first_step_probe.py", out_dir, step,
-               *FIRST_STEP, "--task", "causal-lm", *flags, "--results-dir", out_dir / "results"]
-    code, output = run_to_end(command)
-    assert code == 0, output
-    record = json.loads(next((out_dir / "results").glob("*.json")).read_text())
-    notes = [json.loads((out_dir / f"rank{rank}.json").read_text()) for rank in range(processes)]
-    gradients = [torch.load(out_dir / f"grads_rank{rank}.pt") for rank in range(processes)]
-    return record, notes, gradients
-
-
 @pytest.fixture(scope="module")
 def first_steps(models, tmp_path_factory):
-    """first_steps(family): 08a in 2 processes, and its parent 07 in one, each made once."""
-    made = {}
+    """{family: (08a in 2 processes, its parent 07 in one)}, each (its record, each process's
+    notes, each process's gradient shards by name) of the first optimizer step, in float32; each
+    script's runs in one launch (tests/support/first_step_probe.py)."""
+    root = tmp_path_factory.mktemp("first-steps")
+    for step, processes in (("08a", WORLD_SIZE), ("07", 1)):
+        runs = [[str(root / step / family), step, [*FIRST_STEP, "--task", "causal-lm", *models[family][0],
+                                                     "--results-dir", str(root / step / family / "results")]]
+                for family in FAMILIES]
+        (root / f"{step}.json").write_text(json.dumps(runs))
+        code, output = run_to_end([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                   f"--nproc_per_node={processes}", "tests/support/first_step_probe.py",
+                                   "--runs", str(root / f"{step}.json")], timeout=2 * LAUNCH_TIMEOUT)
+        assert code == 0, output
 
-    def run(family):
-        if family not in made:
-            flags = models[family][0]
-            made[family] = (probed(tmp_path_factory.mktemp(f"sp-{family}"), "08a", WORLD_SIZE, flags),
-                            probed(tmp_path_factory.mktemp(f"one-{family}"), "07", 1, flags))
-        return made[family]
-    return run
+    def probed(out_dir, processes):
+        record = json.loads(next((out_dir / "results").glob("*.json")).read_text())
+        notes = [json.loads((out_dir / f"rank{rank}.json").read_text()) for rank in range(processes)]
+        gradients = [torch.load(out_dir / f"grads_rank{rank}.pt") for rank in range(processes)]
+        return record, notes, gradients
+    return {family: (probed(root / "08a" / family, WORLD_SIZE), probed(root / "07" / family, 1))
+            for family in FAMILIES}
 
 
 @pytest.mark.numerical
-@pytest.mark.timeout(2 * LAUNCH_TIMEOUT + 60)
+@pytest.mark.timeout(4 * LAUNCH_TIMEOUT + 60)
 @pytest.mark.parametrize("family", FAMILIES)
 def test_two_slices_give_the_loss_and_gradients_of_one_process_on_the_whole_texts(
         family, models, first_steps):
@@ -93,7 +90,7 @@ def test_two_slices_give_the_loss_and_gradients_of_one_process_on_the_whole_text
     process, attention over the whole texts by head groups: the first step's loss and every
     gradient are those of 07 in one process on the whole texts with the model's own padding
     mask, within what rounding of the step's sums can produce (tests/support/rounding.py)."""
-    (split, _, split_gradients), (whole, _, (whole_gradients,)) = first_steps(family)
+    (split, _, split_gradients), (whole, _, (whole_gradients,)) = first_steps[family]
     _, config, tokens = models[family]
     assert split["world_size"] == WORLD_SIZE and whole["world_size"] == 1
     n = additions(config, BATCH * tokens)
@@ -108,11 +105,11 @@ def test_two_slices_give_the_loss_and_gradients_of_one_process_on_the_whole_text
     assert any(gradient.abs().sum() > 0 for gradient in whole_gradients.values())
 
 
-@pytest.mark.timeout(2 * LAUNCH_TIMEOUT + 60)
+@pytest.mark.timeout(4 * LAUNCH_TIMEOUT + 60)
 def test_every_process_reads_the_whole_batch(first_steps):
     """Every process reads the same texts (07's processes read half a batch each), and keeps a
     slice of each."""
-    (_, notes, _), _ = first_steps("tiny-text")
+    (_, notes, _), _ = first_steps["tiny-text"]
     first, second = (rank["batches"] for rank in notes)
     assert first == second and [batch["size"] for batch in first] == [BATCH]
 

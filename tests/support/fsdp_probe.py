@@ -2,6 +2,9 @@
 
   python -m torch.distributed.run --standalone --nproc_per_node=2 \\
       tests/support/fsdp_probe.py OUT_DIR 07 --max-steps 3 ...
+  python -m torch.distributed.run ... tests/support/fsdp_probe.py --runs RUNS_JSON
+
+(RUNS_JSON: a list of [OUT_DIR, script id, argv], run one after another in one launch.)
 
 Test-only changes, made from outside as the memory estimator does: the script's DTYPE becomes
 float32 (so that runs can be compared closely), and its train_step is wrapped to note, before
@@ -112,15 +115,24 @@ class Probe:
         torch.save(self.gradients, self.out_dir / f"grads_rank{rank}.pt")
 
 
-def main():
-    out_dir, name, argv = Path(sys.argv[1]), sys.argv[2], sys.argv[3:]
-    common.data.SNIPPET_SPLITS = SMALL_SNIPPET_SPLITS  # tiny-text: quick evaluations
+def probed(out_dir, name, argv):
     script = load_script(name)
     script.DTYPE = torch.float32
     probe = Probe(out_dir)
     script.train_step = probe.watch(script.train_step)
     script.main(argv)
     probe.write(rank=int(os.environ.get("RANK", 0)))  # torchrun's; the group is gone by now
+
+
+def main():
+    common.data.SNIPPET_SPLITS = SMALL_SNIPPET_SPLITS  # tiny-text: quick evaluations
+    if sys.argv[1] == "--runs":  # several in one launch, each group under keys of its own
+        from sharded_runs import groups_apart
+        with groups_apart():
+            for out_dir, name, argv in json.loads(Path(sys.argv[2]).read_text()):
+                probed(Path(out_dir), name, argv)
+    else:
+        probed(Path(sys.argv[1]), sys.argv[2], sys.argv[3:])
 
 
 if __name__ == "__main__":
