@@ -258,6 +258,39 @@ def run_to_end(command, env=None, timeout=LAUNCH_TIMEOUT):
     return process.returncode, output
 
 
+def launched_runs(root, runs, timeout, meanwhile=None, processes=WORLD_SIZE):
+    """Each of `runs` ([name, script id, argv]) in one torchrun launch of `processes` processes
+    (tests/support/sharded_runs.py: starting torchrun and the Pythons is most of a small run's
+    time), `meanwhile(step, argv)` called for each as it runs (an estimate): {name: (its record,
+    or the words its script stopped with; what `meanwhile` gave; each process's [empty tensors,
+    empty tensors with a gradient] of each optimizer step)}."""
+    (root / "runs.json").write_text(json.dumps(runs))
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               f"--nproc_per_node={processes}", "tests/support/sharded_runs.py", root / "out",
+               root / "runs.json"]
+    with open(root / "output.txt", "w") as output:
+        launch = subprocess.Popen(command, cwd=ROOT, stdout=output, stderr=subprocess.STDOUT,
+                                  start_new_session=True)
+        try:
+            beside = {name: meanwhile and meanwhile(step, argv) for name, step, argv in runs}
+            launch.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"still running after {timeout} s, so killed")
+        finally:
+            stop(launch)
+    assert launch.returncode == 0, (root / "output.txt").read_text()
+    outcomes = {}
+    for name, _, _ in runs:
+        folder = root / "out" / name
+        stopped = folder / "stopped.txt"
+        record = stopped.read_text() if stopped.exists() else json.loads(next(
+            path for path in folder.glob("*.json") if not path.name.endswith("-steps.json")).read_text())
+        outcomes[name] = (record, beside[name],
+                          [json.loads((folder / f"rank{rank}-steps.json").read_text())
+                           for rank in range(processes)])
+    return outcomes
+
+
 class ProbedRun:
     """One torchrun run of a step in float32: its JSON record and what each process noted."""
 

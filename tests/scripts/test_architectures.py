@@ -7,14 +7,12 @@ architectures: tiny's ViT, tiny-text's BERT and, under causal-lm, its Llama). 07
 process here (a group of one), and as two processes under torchrun for an encoder and a
 grouped-query decoder (ViT, the vision model, in tests/scripts/test_distributed.py).
 """
-import json
 import math
 import re
-import sys
 
 import pytest
 
-from conftest import QUICK, ROOT, run_script, run_to_end
+from conftest import QUICK, ROOT, launched_runs, run_script
 from estimate.predict import predict
 from steps import STEPS, step_id
 from steps import scripts as numbered_scripts
@@ -91,22 +89,12 @@ def test_every_architecture_trains_on_every_step_and_its_estimate_is_that_runs_p
 
 @pytest.fixture(scope="module")
 def two_process_runs(models, tmp_path_factory):
-    """Every case of TWO_PROCESSES for 2 optimizer steps, in one torchrun launch of 2 processes
-    (tests/support/sharded_runs.py: starting torchrun and two Pythons is most of a small run's
-    time): {(name, step): its record}."""
-    root = tmp_path_factory.mktemp("two-processes")
+    """Every case of TWO_PROCESSES for 2 optimizer steps, in one torchrun launch of 2 processes:
+    {(name, step): its record, or the words its script stopped with}."""
     runs = [[f"{name}-{step}", step, [*model_flags(models[name], name), *QUICK]]
             for name, step in TWO_PROCESSES]
-    (root / "runs.json").write_text(json.dumps(runs))
-    code, output = run_to_end([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                               "--nproc_per_node=2", "tests/support/sharded_runs.py",
-                               str(root / "out"), str(root / "runs.json")],
-                              timeout=TWO_PROCESSES_TIMEOUT)
-    assert code == 0, output
-    return {(name, step): [json.loads(path.read_text()) if path.suffix == ".json" else path.read_text()
-                           for path in (root / "out" / f"{name}-{step}").iterdir()
-                           if path.name == "stopped.txt" or not path.name.endswith("-steps.json")][0]
-            for name, step in TWO_PROCESSES}
+    outcomes = launched_runs(tmp_path_factory.mktemp("two-processes"), runs, TWO_PROCESSES_TIMEOUT)
+    return {(name, step): outcomes[f"{name}-{step}"][0] for name, step in TWO_PROCESSES}
 
 
 TWO_PROCESSES_TIMEOUT = 60 * len(TWO_PROCESSES)  # seconds; a run takes a few

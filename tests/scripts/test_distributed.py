@@ -36,6 +36,7 @@ from conftest import (
     TEXT,
     WORLD_SIZE,
     assert_follows,
+    launched_runs,
     load_script,
     model_state_bytes,
     one_process_fp32,
@@ -534,31 +535,7 @@ def sharded_runs(tmp_path_factory):
     (model / "config.json").write_text(json.dumps(GQA_LLAMA))
     runs = [[name, step, [*VIT_RUN, *EMPTY_SHARDS[name]] if flags is None
              else [*GQA_RUN, "--model", str(model), *flags]] for name, step, flags in SHARDED_CASES]
-    (root / "runs.json").write_text(json.dumps(runs))
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               f"--nproc_per_node={WORLD_SIZE}", "tests/support/sharded_runs.py", root / "out",
-               root / "runs.json"]
-    with open(root / "output.txt", "w") as output:
-        launch = subprocess.Popen(command, cwd=ROOT, stdout=output, stderr=subprocess.STDOUT,
-                                  start_new_session=True)
-        try:
-            predicted = {name: estimated(step, argv) for name, step, argv in runs}
-            launch.wait(timeout=SHARDED_LAUNCH_TIMEOUT)
-        except subprocess.TimeoutExpired:
-            pytest.fail(f"still running after {SHARDED_LAUNCH_TIMEOUT} s, so killed")
-        finally:
-            stop(launch)
-    assert launch.returncode == 0, (root / "output.txt").read_text()
-    outcomes = {}
-    for name, _, _ in runs:
-        stopped = root / "out" / name / "stopped.txt"
-        record = next(path for path in (root / "out" / name).glob("*.json")
-                      if not path.name.endswith("-steps.json"))
-        outcomes[name] = (stopped.read_text() if stopped.exists() else json.loads(record.read_text()),
-                          predicted[name],
-                          [json.loads((root / "out" / name / f"rank{rank}-steps.json").read_text())
-                           for rank in range(WORLD_SIZE)])
-    return outcomes
+    return launched_runs(root, runs, SHARDED_LAUNCH_TIMEOUT, estimated)
 
 
 def estimated(step, argv):

@@ -12,7 +12,6 @@ with learned positions, and tiny-text's own decoder (a Llama with 2 key-value he
 """
 import json
 import math
-import subprocess
 import sys
 
 import pytest
@@ -21,7 +20,7 @@ from transformers import AutoConfig
 
 from common.model import model_config
 from common.presets import PRESETS, for_task
-from conftest import LAUNCH_TIMEOUT, ROOT, WORLD_SIZE, run_to_end, script_path, stop
+from conftest import LAUNCH_TIMEOUT, WORLD_SIZE, launched_runs, run_to_end, script_path
 from estimate.contract import EstimateError
 from estimate.predict import predict
 from support.architecture_matrix import SEQ_LEN, model_flags, write_model
@@ -131,33 +130,13 @@ ESTIMATED_LAUNCH_TIMEOUT = 60 * len(ESTIMATED)
 def estimated_runs(models, tmp_path_factory):
     """Each case of ESTIMATED trained for 2 steps in one torchrun launch of 2 processes
     (tests/support/sharded_runs.py) and estimated while it runs: {name: (record, estimate)}."""
-    root = tmp_path_factory.mktemp("estimated")
     runs = [[name, step, [*ESTIMATED_RUN, *models[family][0], *flags]]
             for name, step, family, flags in ESTIMATED]
-    (root / "runs.json").write_text(json.dumps(runs))
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               f"--nproc_per_node={WORLD_SIZE}", "tests/support/sharded_runs.py", root / "out",
-               root / "runs.json"]
-    with open(root / "output.txt", "w") as output:
-        launch = subprocess.Popen(command, cwd=ROOT, stdout=output, stderr=subprocess.STDOUT,
-                                  start_new_session=True)
-        try:
-            predicted = {name: predict(script_path(step), argv, world_size=WORLD_SIZE)
-                         for name, step, argv in runs}
-            launch.wait(timeout=ESTIMATED_LAUNCH_TIMEOUT)
-        except subprocess.TimeoutExpired:
-            pytest.fail(f"still running after {ESTIMATED_LAUNCH_TIMEOUT} s, so killed")
-        finally:
-            stop(launch)
-    assert launch.returncode == 0, (root / "output.txt").read_text()
-    found = {}
-    for name, _, _ in runs:
-        stopped = root / "out" / name / "stopped.txt"
-        assert not stopped.exists(), f"{name}: {stopped.read_text()}"
-        record = next(path for path in (root / "out" / name).glob("*.json")
-                      if not path.name.endswith("-steps.json"))
-        found[name] = (json.loads(record.read_text()), predicted[name])
-    return found
+    outcomes = launched_runs(tmp_path_factory.mktemp("estimated"), runs, ESTIMATED_LAUNCH_TIMEOUT,
+                             lambda step, argv: predict(script_path(step), argv, world_size=WORLD_SIZE))
+    for name, (record, _, _) in outcomes.items():
+        assert not isinstance(record, str), f"{name}: {record}"
+    return {name: (record, predicted) for name, (record, predicted, _) in outcomes.items()}
 
 
 @pytest.mark.timeout(ESTIMATED_LAUNCH_TIMEOUT + 180)
