@@ -171,14 +171,19 @@ FLAGS_SEARCHED = ("--batch-size", "--accum-steps")
 
 def without_batch_flags(argv):
     """`argv` less the flags the search sets itself."""
+    return without(argv, FLAGS_SEARCHED)
+
+
+def without(argv, flags):
+    """`argv` less each of `flags` and its value."""
     kept, skip = [], False
-    for flag in argv:
+    for word in argv:
         if skip:
             skip = False
-        elif flag in FLAGS_SEARCHED:
+        elif word in flags:
             skip = True
         else:
-            kept.append(flag)
+            kept.append(word)
     return kept
 
 

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from estimate.output import size_text, took_text
 from estimate.question import Question
 from estimate.search.costs import Costs, link_seconds, parts_text, step_time
+from estimate.search.fit import without
 from estimate.stack import LONG_CHAIN, argv_of, prefixes, resident_bytes
 
 GRANULE = 1024  # tokens: the lengths asked are its multiples
@@ -251,16 +252,3 @@ def answer(args, flags, gpu_name, report=print):
     found = walk_lengths(asked, report)
     shown = [*(["--preset", args.preset] if args.model is None else []), *model_argv]
     return answer_text(asked, found, shown, args.gpu_memory, gpu_name)
-
-
-def without(argv, flags):
-    """`argv` less each of `flags` and its value."""
-    kept, skip = [], False
-    for word in argv:
-        if skip:
-            skip = False
-        elif word in flags:
-            skip = True
-        else:
-            kept.append(word)
-    return kept
