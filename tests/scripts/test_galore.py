@@ -68,10 +68,7 @@ def test_the_step_is_the_authors_given_the_same_projection(side, same_singular_v
     (beta1, beta2), moment, bias_moment = mine.defaults["betas"], 0.0, 0.0
     magnitude, bias_magnitude = torch.zeros(SHAPES[side]), torch.zeros(SHAPES[side][:1])
     for step in range(1, TAKEN + 1):
-        for weights in ((ours, theirs), (our_bias, their_bias)):
-            gradient = torch.randn(weights[0].shape, generator=generator)
-            for weight in weights:
-                weight.grad = gradient.clone()
+        give_same_gradients(((ours, theirs), (our_bias, their_bias)), generator)
         mine.step()
         authors.step()
         state, step_size = mine.state[ours], LR * math.sqrt(1 - beta2 ** step) / (1 - beta1 ** step)
@@ -87,6 +84,14 @@ def test_the_step_is_the_authors_given_the_same_projection(side, same_singular_v
             + our_bias.detach().abs()
         assert_same_sum(our_bias.detach(), their_bias.detach(), bias_magnitude, 2, what=f"Adam, step {step}")
     assert state["step"] == TAKEN
+
+
+def give_same_gradients(pairs, generator):
+    """Both weights of each pair (ours, the reference's) the same random gradient."""
+    for weights in pairs:
+        gradient = torch.randn(weights[0].shape, generator=generator)
+        for weight in weights:
+            weight.grad = gradient.clone()
 
 
 @pytest.mark.numerical
@@ -119,10 +124,7 @@ def test_the_8bit_step_is_the_authors_8bit_step(side, monkeypatch):
          dict(params=[their_plain])], lr=LR, eps=EPS, weight_decay=0.0)
     magnitude = torch.zeros(SHAPES[side])
     for step in range(1, TAKEN + 1):
-        for weights in ((ours, theirs), (our_plain, their_plain)):
-            gradient = torch.randn(weights[0].shape, generator=generator)
-            for weight in weights:
-                weight.grad = gradient.clone()
+        give_same_gradients(((ours, theirs), (our_plain, their_plain)), generator)
         stepped.clear()
         mine.step()
         authors.step()
