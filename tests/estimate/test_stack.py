@@ -225,11 +225,16 @@ def test_the_whole_stack_is_every_switch_until_a_link_takes_one_out(task, combin
     assert refused is None
 
 
+def causal_lm_links():
+    """{link name: (its switches, as a dict; its notes)} of the causal-lm chain's prefixes."""
+    return {link.name: (dict(switches), notes) for link, switches, notes in stack.prefixes("causal-lm")
+            if switches is not None}
+
+
 def test_4bit_adamw_takes_8bits_place_on_the_gpu_and_gives_it_back_on_the_host():
     """On the GPU the 4-bit state holds half the 8-bit one's bytes; on the host, where its bytes
     no longer count, the chain goes back to 8-bit AdamW, whose CPU step is the quicker."""
-    links = {link.name: (dict(switches), notes) for link, switches, notes in stack.prefixes("causal-lm")
-             if switches is not None}
+    links = causal_lm_links()
     four_bit, notes = links["4-bit AdamW"]
     assert four_bit["--optimizer"] == "adamw-4bit" and notes == ["replaces --optimizer adamw-8bit"]
     assert stack.resident_bytes(four_bit.items(), 10**9) < stack.resident_bytes(
@@ -243,8 +248,7 @@ def test_8bit_galore_holds_less_than_4bit_adamw_and_pays_for_its_svds():
     byte each); its seconds are the two products of each projection every step and an SVD of
     every block matrix each --galore-gap steps, which for Llama-3.1-8B cost more than 4-bit
     AdamW's step, so it comes after it, and replaces it."""
-    links = {link.name: (dict(switches), notes) for link, switches, notes in stack.prefixes("causal-lm")
-             if switches is not None}
+    links = causal_lm_links()
     galore, notes = links["8-bit GaLore"]
     assert galore["--optimizer"] == "galore-8bit" and notes == ["replaces --optimizer adamw-4bit"]
     assert stack.resident_bytes(galore.items(), 10**9) < stack.resident_bytes(
