@@ -22,6 +22,7 @@ from collections import defaultdict
 from estimate.replay.trace import ALLOC, FREE, LABEL, RESIZE
 
 MOST_MOVES = 64  # events by which extend moves regions' starts in all, each move a learn (ms)
+MOST_TRIES = 512  # places insertions tries in all (a unit may be followed closely by another)
 
 
 class NotByBlocks(Exception):
@@ -54,24 +55,49 @@ def signatures(events):
 def insertions(shorter, longer, agree=16):
     """[(position in `longer`, length)]: the runs of events `longer` has beyond `shorter`, each a
     repetition of the events just before it, after which both go on alike (for `agree` events
-    at least, or to the end). NotByBlocks if the traces differ otherwise."""
-    found, i, j = [], 0, 0
-    budget = len(longer) - len(shorter)
-    while True:
+    at least, or to the end, or up to the next such run: a unit's copy in the optimizer's state
+    and another in its temporaries' frees may lie a few events apart). NotByBlocks if the
+    traces differ otherwise. The units found are checked by extend() on the largest probe, so a
+    wrong choice here costs a whole run, never a wrong trace."""
+    budget, tries = len(longer) - len(shorter), [MOST_TRIES]
+
+    def agreeing(i, j):  # events alike from shorter[i] and longer[j] on (up to `agree`)
+        count = 0
+        while count < agree and i + count < len(shorter) and j + count < len(longer) \
+                and shorter[i + count] == longer[j + count]:
+            count += 1
+        return count
+
+    def search(i, j, left):
+        tries[0] -= 1
+        if tries[0] < 0:
+            return None
         while i < len(shorter) and j < len(longer) and shorter[i] == longer[j]:
             i, j = i + 1, j + 1
         if i == len(shorter) and j == len(longer):
-            return found
+            return []
         check = min(len(shorter) - i, agree)
-        for length in range(1, budget - sum(n for _, n in found) + 1):
-            if (j >= length and longer[j - length:j] == longer[j:j + length]
-                    and longer[j + length:j + length + check] == shorter[i:i + check]
-                    and (check or j + length == len(longer))):
-                break
-        else:
-            raise NotByBlocks("the larger probe's trace is not the smaller one's with repeated units")
-        found.append((j, length))
-        j += length
+        near = []  # lengths whose repetition agrees for fewer events: another unit follows
+        for length in range(1, left + 1):
+            if j < length or longer[j - length:j] != longer[j:j + length]:
+                continue
+            alike = agreeing(i, j + length)
+            if alike == check and (check or j + length == len(longer)):
+                found = search(i, j + length, left - length)  # the usual case: one place
+                if found is not None:
+                    return [(j, length), *found]
+            elif alike:
+                near.append(length)
+        for length in near:
+            found = search(i, j + length, left - length)
+            if found is not None:
+                return [(j, length), *found]
+        return None
+
+    found = search(0, 0, budget)
+    if found is None:
+        raise NotByBlocks("the larger probe's trace is not the smaller one's with repeated units")
+    return found
 
 
 def regions(sequence, places):
