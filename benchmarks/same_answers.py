@@ -4,6 +4,7 @@ estimate/, a faster search) is checked on what a user sees.
 
   python benchmarks/same_answers.py --ref a7c4c96              # every question
   python benchmarks/same_answers.py --ref a7c4c96 --only llama  # the questions named so
+  python benchmarks/same_answers.py --ref 89770c6 --now b3a41f0 --at-once  # two commits, together
 
 The questions, each on a few steps: the table with no GPU emulated (tiny, --device cpu) and the
 article table; for small models of the architecture matrix (tests/support/architecture_matrix.py,
@@ -12,7 +13,9 @@ by probes of their blocks), --gpu-memory's table, search and stack, asked again 
 capacity or GPU (the first ask's runs kept), the stack alone on two GPUs, two workers at once;
 and BERT-large's stack from docs/models/. Each side asks them in order in fresh processes with
 a folder of kept runs of its own (ESTIMATE_CACHE), as one user would; the commit is checked out
-into a temporary worktree (git worktree add) and run with this Python. Compared: standard output
+into a temporary worktree (git worktree add) and run with this Python, and so is --now's commit
+where one is given; --at-once asks both sides together, one process each (both then share the
+machine, so their seconds compare with each other only). Compared: standard output
 and error, the exit status and the estimate.json written, with what a clock decides left out
 (the wall-time line, an estimate's seconds). It prints the seconds each side took and the lines
 that differ; it only measures and prints.
@@ -27,6 +30,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -89,19 +93,20 @@ def ask(root, arguments, kept, results):
                           env={**os.environ, "ESTIMATE_CACHE": str(kept)})
     seconds = time.perf_counter() - start
     written = results / "estimate.json"
-    return seconds, {"status": str(done.returncode), "stdout": without_clock(done.stdout),
-                     "stderr": without_clock(done.stderr),
-                     "estimate.json": written.read_text() if written.exists() else ""}
+    texts = {"stdout": done.stdout, "stderr": done.stderr,
+             "estimate.json": written.read_text() if written.exists() else ""}
+    return seconds, {"status": str(done.returncode),  # each side's results folder named alike
+                     **{what: without_clock(text.replace(str(results), "RESULTS"))
+                        for what, text in texts.items()}}
 
 
 def ask_all(root, names, folder, paths, label):
-    """{question: (seconds, answers)} for `root`, in order, its runs kept in a folder of its own
-    (`paths`: MODELS' folders; the results go where the other side's went, as the answers name
-    them)."""
+    """{question: (seconds, answers)} for `root`, in order, its runs kept and its results written
+    in folders of its own (`paths`: MODELS' folders, shared)."""
     found = {}
     for name in names:
         arguments = [word.format(**paths) for word in QUESTIONS[name]]
-        results = folder / "results" / name
+        results = folder / f"results-{label}" / name
         if results.exists():
             shutil.rmtree(results)
         results.mkdir(parents=True)
@@ -116,20 +121,31 @@ def main():
     parser.add_argument("--ref", required=True, help="the commit whose answers are the reference")
     parser.add_argument("--only", nargs="+", metavar="NAME",
                         help="the questions whose names start so (default: all)")
+    parser.add_argument("--now", metavar="COMMIT",
+                        help="the commit whose answers are compared (default: this checkout)")
+    parser.add_argument("--at-once", action="store_true",
+                        help="ask both sides together, one process each, instead of one after the other")
     args = parser.parse_args()
     names = [name for name in QUESTIONS if not args.only or name.startswith(tuple(args.only))]
     with tempfile.TemporaryDirectory() as parent:
         parent = Path(parent)
-        paths, tree = models(parent / "models"), parent / "reference"
-        subprocess.run(["git", "worktree", "add", "--detach", str(tree), args.ref], cwd=ROOT,
-                       check=True, capture_output=True)
+        paths, trees = models(parent / "models"), []
         try:
-            before = ask_all(tree, names, parent, paths, args.ref)
+            for label, commit in (("reference", args.ref), ("now", args.now)):
+                trees.append(parent / label if commit else ROOT)
+                if commit:
+                    subprocess.run(["git", "worktree", "add", "--detach", str(trees[-1]), commit],
+                                   cwd=ROOT, check=True, capture_output=True)
+            sides = [(tree, names, parent, paths, label)
+                     for tree, label in zip(trees, (args.ref, args.now or "this checkout"))]
+            with ThreadPoolExecutor(2 if args.at_once else 1) as pool:
+                before, now = pool.map(lambda side: ask_all(*side), sides)
         finally:
-            subprocess.run(["git", "worktree", "remove", "--force", str(tree)], cwd=ROOT,
-                           capture_output=True)
-        now = ask_all(ROOT, names, parent, paths, "this checkout")
-    print(f"\n| question | {args.ref} | now | status | stdout | stderr | estimate.json |\n"
+            for tree in trees:
+                if tree != ROOT:
+                    subprocess.run(["git", "worktree", "remove", "--force", str(tree)], cwd=ROOT,
+                                   capture_output=True)
+    print(f"\n| question | {args.ref} | {args.now or 'now'} | status | stdout | stderr | estimate.json |\n"
           "|---|---:|---:|---|---|---|---|")
     differ = []
     for name in names:
