@@ -57,9 +57,9 @@ def insertions(shorter, longer, agree=16):
     repetition of the events just before it, after which both go on alike (for `agree` events
     at least, or to the end, or up to the next such run: a unit's copy in the optimizer's state
     and another in its temporaries' frees may lie a few events apart). NotByBlocks if the
-    traces differ otherwise. The units found are checked by extend() on the largest probe, so a
-    wrong choice here costs a whole run, never a wrong trace."""
-    budget, tries = len(longer) - len(shorter), [MOST_TRIES]
+    traces differ otherwise. extend() checks the units found on the largest probe, event for
+    event, so a wrong choice shows there and the model runs whole."""
+    budget, tries, failed = len(longer) - len(shorter), [MOST_TRIES], set()
 
     def agreeing(i, j):  # events alike from shorter[i] and longer[j] on (up to `agree`)
         count = 0
@@ -68,18 +68,20 @@ def insertions(shorter, longer, agree=16):
             count += 1
         return count
 
-    def search(i, j, left):
+    def search(i, j, left):  # (left: the budget less what is found, so i and j say it all)
         tries[0] -= 1
         if tries[0] < 0:
-            return None
+            raise NotByBlocks("the larger probe's trace has too many ways to be the smaller one's")
         while i < len(shorter) and j < len(longer) and shorter[i] == longer[j]:
             i, j = i + 1, j + 1
         if i == len(shorter) and j == len(longer):
             return []
+        if (i, j) in failed:
+            return None
         check = min(len(shorter) - i, agree)
         near = []  # lengths whose repetition agrees for fewer events: another unit follows
-        for length in range(1, left + 1):
-            if j < length or longer[j - length:j] != longer[j:j + length]:
+        for length in range(1, min(left, j) + 1):
+            if longer[j - length:j] != longer[j:j + length]:
                 continue
             alike = agreeing(i, j + length)
             if alike == check and (check or j + length == len(longer)):
@@ -92,6 +94,7 @@ def insertions(shorter, longer, agree=16):
             found = search(i, j + length, left - length)
             if found is not None:
                 return [(j, length), *found]
+        failed.add((i, j))
         return None
 
     found = search(0, 0, budget)

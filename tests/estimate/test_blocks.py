@@ -178,11 +178,12 @@ def test_a_region_found_late_moves_where_another_region_frees_its_storages(monke
         synthesis.extend([trace(2), trace(3), trace(4)], [2, 3, 4], 9)
 
 
-def test_a_unit_followed_within_a_few_events_by_another_is_found():
-    """Llama-3.1-70B's step under FSDP and 8-bit AdamW, in small: each block's optimizer state is
-    made in turn, then the head's, and two events later each block's temporary is freed: two
-    places where a block adds events, closer than the 16 events insertions() asks to agree after
-    one (refused so before, and the model then ran whole)."""
+def test_a_unit_followed_within_a_few_events_by_another_is_found(monkeypatch):
+    """Llama-3.1-70B's step under FSDP and 8-bit AdamW, in small: each block's temporary is made,
+    its optimizer state in turn, then the head's, and two events later each block's temporary is
+    freed: three places where a block adds events, each closer to the next than the 16 events
+    insertions() asked to agree after one (refused so before, and the model then ran whole);
+    with too few tries allowed, refused in words."""
     def trace(count):
         events = [("alloc", 0, 8, "cpu", "Parameter")]
         temporaries = list(range(1, count + 1))
@@ -200,3 +201,6 @@ def test_a_unit_followed_within_a_few_events_by_another_is_found():
     assert [length for _, length in synthesis.insertions(*shapes)] == [1, 2, 1]
     written = synthesis.extend([trace(2), trace(3), trace(4)], [2, 3, 4], 9)
     assert synthesis.renumbered(written) == synthesis.renumbered(trace(9))
+    monkeypatch.setattr(synthesis, "MOST_TRIES", 2)
+    with pytest.raises(synthesis.NotByBlocks, match="too many ways"):
+        synthesis.insertions(*shapes)
