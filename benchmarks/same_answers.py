@@ -100,17 +100,18 @@ def ask(root, arguments, kept, results):
                         for what, text in texts.items()}}
 
 
-def ask_all(root, names, folder, paths, label):
-    """{question: (seconds, answers)} for `root`, in order, its runs kept and its results written
-    in folders of its own (`paths`: MODELS' folders, shared)."""
+def ask_all(root, names, folder, paths, label, side):
+    """{question: (seconds, answers)} for `root` (printed as `label`), in order, its runs kept and
+    its results written in folders of its own, named by its `side` (`paths`: MODELS' folders,
+    shared)."""
     found = {}
     for name in names:
         arguments = [word.format(**paths) for word in QUESTIONS[name]]
-        results = folder / f"results-{label}" / name
+        results = folder / f"results-{side}" / name
         if results.exists():
             shutil.rmtree(results)
         results.mkdir(parents=True)
-        found[name] = ask(root, arguments, folder / f"kept-{label}", results)
+        found[name] = ask(root, arguments, folder / f"kept-{side}", results)
         print(f"  {label}: {name}: {found[name][0]:.1f} s", flush=True)
     return found
 
@@ -136,8 +137,8 @@ def main():
                 if commit:
                     subprocess.run(["git", "worktree", "add", "--detach", str(trees[-1]), commit],
                                    cwd=ROOT, check=True, capture_output=True)
-            sides = [(tree, names, parent, paths, label)
-                     for tree, label in zip(trees, (args.ref, args.now or "this checkout"))]
+            sides = [(tree, names, parent, paths, label, side) for tree, label, side in
+                     zip(trees, (args.ref, args.now or "this checkout"), ("reference", "now"))]
             with ThreadPoolExecutor(2 if args.at_once else 1) as pool:
                 before, now = pool.map(lambda side: ask_all(*side), sides)
         finally:

@@ -59,7 +59,7 @@ def insertions(shorter, longer, agree=16):
     and another in its temporaries' frees may lie a few events apart). NotByBlocks if the
     traces differ otherwise. extend() checks the units found on the largest probe, event for
     event, so a wrong choice shows there and the model runs whole."""
-    budget, tries, failed = len(longer) - len(shorter), [MOST_TRIES], set()
+    budget, tries, failed = len(longer) - len(shorter), MOST_TRIES, set()
 
     def agreeing(i, j):  # events alike from shorter[i] and longer[j] on (up to `agree`)
         count = 0
@@ -68,9 +68,10 @@ def insertions(shorter, longer, agree=16):
             count += 1
         return count
 
-    def search(i, j, left):  # (left: the budget less what is found, so i and j say it all)
-        tries[0] -= 1
-        if tries[0] < 0:
+    def search(i, j):  # the places from shorter[i] and longer[j] on, or None
+        nonlocal tries
+        tries -= 1
+        if tries < 0:
             raise NotByBlocks("the larger probe's trace has too many ways to be the smaller one's")
         while i < len(shorter) and j < len(longer) and shorter[i] == longer[j]:
             i, j = i + 1, j + 1
@@ -78,26 +79,26 @@ def insertions(shorter, longer, agree=16):
             return []
         if (i, j) in failed:
             return None
-        check = min(len(shorter) - i, agree)
+        check, left = min(len(shorter) - i, agree), budget - (j - i)  # (events not yet placed)
         near = []  # lengths whose repetition agrees for fewer events: another unit follows
         for length in range(1, min(left, j) + 1):
             if longer[j - length:j] != longer[j:j + length]:
                 continue
             alike = agreeing(i, j + length)
             if alike == check and (check or j + length == len(longer)):
-                found = search(i, j + length, left - length)  # the usual case: one place
+                found = search(i, j + length)  # the usual case: one place
                 if found is not None:
                     return [(j, length), *found]
             elif alike:
                 near.append(length)
         for length in near:
-            found = search(i, j + length, left - length)
+            found = search(i, j + length)
             if found is not None:
                 return [(j, length), *found]
         failed.add((i, j))
         return None
 
-    found = search(0, 0, budget)
+    found = search(0, 0)
     if found is None:
         raise NotByBlocks("the larger probe's trace is not the smaller one's with repeated units")
     return found
