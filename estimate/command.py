@@ -168,9 +168,9 @@ def parse_table_args(argv):
         if args.interconnect and args.stack_world_size == 1:
             parser.error("--interconnect prices what sharded GPUs send each other: add --world-size N "
                          "(N above 1), or leave it out")
-        if args.longest_sequence and (args.task != "causal-lm" or args.stack_world_size > 1):
-            parser.error("--longest-sequence asks how long a language model's sequence fits on "
-                         "one GPU: add --task causal-lm, and leave --world-size out")
+        if args.longest_sequence and args.task != "causal-lm":
+            parser.error("--longest-sequence asks how long a language model's sequence fits: "
+                         "add --task causal-lm")
     elif args.longest_sequence:
         parser.error("--longest-sequence asks what fits on a GPU: add --gpu-memory SIZE")
     elif args.interconnect:
@@ -266,7 +266,7 @@ def table_main(argv):
     except UnknownStep as problem:
         refuse(f"--steps: {problem}")
     flags = model_flags(args)
-    if args.gpu_memory is not None:
+    if args.gpu_memory is not None and not args.longest_sequence:  # (there: texts a GPU)
         check_the_batch_splits(args, flags)
     if args.longest_sequence:  # the longest sequence instead of the table (search/longest.py)
         with quiet_while_working(args.quiet):

@@ -107,12 +107,14 @@ def squares(script, argv, world_size=1, gpu=DEFAULT_GPU):
     """[Square] of the run `argv` asks for (its --seq-len, of 4 tokens or more): the tensors with
     two dimensions of the length, seen at about half the length too (one more than half: an odd
     number where the length is even, which no width of a model is, so that two dimensions of a
-    model's own widths are not taken for the length's in both runs); largest first."""
+    model's own widths are not taken for the length's in both runs; under --sequence-parallel
+    the next multiple of the processes past half, as each takes an equal slice); largest first."""
     length = asked_length(argv)
     if not length or length < 4:
         return []
+    slices = world_size if "--sequence-parallel" in argv else 1
     asked, half = (watched(script, argv, size, world_size, gpu)
-                   for size in (length, length // 2 + 1))
+                   for size in (length, (length // 2 // slices + 1) * slices))
     return sorted((Square(name, dims, *asked[name, dims]) for name, dims in asked
                    if (name, dims) in half), key=lambda square: -square.bytes)
 

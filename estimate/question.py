@@ -24,11 +24,15 @@ class Question:
     `world_size` processes and the GPU `gpu` (a key of GPUS), at micro-batches of any size: with
     `accumulates`, two micro-batches of the size a step (which peaks as any number of them does),
     else the whole batch at once. `asked`: {micro-batch: Row} whose runs stand for those sizes
-    (the table's asked row, run with the flags it was asked with)."""
+    (the table's asked row, run with the flags it was asked with). `shares_texts`: every process
+    reads the same texts (--sequence-parallel splits each across them), so a micro-batch is
+    `micro` texts in all, not `micro` a process."""
 
-    def __init__(self, script, base_argv, world_size=1, gpu=DEFAULT_GPU, accumulates=True, asked=None):
+    def __init__(self, script, base_argv, world_size=1, gpu=DEFAULT_GPU, accumulates=True, asked=None,
+                 shares_texts=False):
         self.script, self.base_argv, self.world_size = Path(script), list(base_argv), world_size
         self.gpu, self.accumulates, self.asked = gpu, accumulates, dict(asked or {})
+        self.texts = 1 if shares_texts else world_size  # a micro-batch's texts: `micro` times it
         self.runs = {}  # {micro-batch: KeptRun} made or found for this question
         self.line = None  # the Family of traces through the runs (draw_line)
         self.written = {}  # {micro-batch: reserved bytes} of traces written from the line
@@ -46,9 +50,9 @@ class Question:
         """The row whose run has micro-batches of `micro` samples per process; a question of
         memory, so the data set's size does not limit it."""
         if self.accumulates:
-            flags = ["--batch-size", str(2 * micro * self.world_size), "--accum-steps", "2"]
+            flags = ["--batch-size", str(2 * micro * self.texts), "--accum-steps", "2"]
         else:
-            flags = ["--batch-size", str(micro * self.world_size)]
+            flags = ["--batch-size", str(micro * self.texts)]
         return Row(self.script, [*self.base_argv, *flags], self.world_size, self.gpu,
                    any_batch_size=True)
 

@@ -31,6 +31,10 @@ def rates(costs, world=1, micro_batches=1):
     # causal attention's two products, half of length x length each: 2 x length x hidden FLOPs
     # a token a layer, beside the weights' 2 x parameters
     attention = 2 * costs.length * tokens * costs.hidden * costs.layers / COST["gpu_flops"]
+    # sequence parallel: four all-to-alls a block (query, key, value in, the output back; key and
+    # value at most the hidden size) of each GPU's tokens, in forward, its recomputation and backward
+    all_to_all = (3 * 4 * costs.layers * tokens * costs.hidden * WEIGHT_BYTES * (world - 1) / world
+                  / costs.interconnect)
     return {"forward": forward + attention, "elementwise": COST["elementwise_forward"] * forward,
             "MLP forward": 2 * costs.mlp_parameters * tokens / COST["gpu_flops"],
             "activations over PCIe": 2 * costs.layers * tokens * costs.hidden * 2 / pcie,
@@ -40,7 +44,7 @@ def rates(costs, world=1, micro_batches=1):
                 1 / COST["gpu_flops"] + 26 / COST["galore_gap"] / COST["svd_flops"]),
             "optimizer on the host": 4 * parameters / pcie + host_step,
             "offload": (4 * micro_batches + 2) * parameters / world / pcie + host_step,
-            "all-gather": collective, "reduce-scatter": collective}
+            "all-gather": collective, "reduce-scatter": collective, "all-to-all": all_to_all}
 
 
 def step_seconds(link, parameters, tokens, layers, hidden, vocabulary, micro_batches=1):
@@ -68,7 +72,9 @@ def step_time(costs, switches, world=1, micro_batches=1):
     `micro_batches` micro-batches a GPU: the plain step of its tokens (a forward and a backward,
     3 forwards), what the switches add as the chain's links price them, and when sharded the
     interconnect's: the weights all-gathered twice a micro-batch (ZeRO-3: in forward, again in
-    backward) or once (ZeRO-2: --reshard-after-forward false), the gradients reduce-scattered."""
+    backward) or once (ZeRO-2: --reshard-after-forward false), the gradients reduce-scattered,
+    and under --sequence-parallel each block's all-to-alls; `costs.tokens` are the step's over all
+    GPUs (a text split across them counts once)."""
     chosen, terms = dict(switches), rates(costs, world, micro_batches)
     checkpointing = chosen.get("--checkpointing")
     parts = {"compute": 3 * terms["forward"]}
@@ -90,6 +96,8 @@ def step_time(costs, switches, world=1, micro_batches=1):
     if world > 1:
         gathers = 1 if str(chosen.get("--reshard-after-forward")).lower() == "false" else 2
         parts["interconnect"] = gathers * terms["all-gather"] + terms["reduce-scatter"]
+        if chosen.get("--sequence-parallel"):
+            parts["interconnect"] += terms["all-to-all"]
     return parts
 
 

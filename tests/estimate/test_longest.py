@@ -12,6 +12,7 @@ from estimate import stack
 from estimate.command import main as table_main
 from estimate.search import longest
 from estimate.search.costs import Costs
+from estimate.stack import argv_of
 from steps import import_script
 from support.architecture_matrix import write_model
 
@@ -24,20 +25,22 @@ def combined():
 
 
 def asked(capacity=80 * 10**9, positions=131072, stretches=True, host_capacity=None,
-          granule=GRANULE, parameters=8 * 10**9):
+          granule=GRANULE, parameters=8 * 10**9, world_size=1):
     return longest.Asked("10_combined.py", ["--model", "M"], 1, capacity, "a100",
                          Costs(parameters, 0, 32, 4096, 128256, mlp_parameters=parameters // 2),
-                         positions, stretches, host_capacity, granule)
+                         positions, stretches, host_capacity, granule, world_size=world_size)
 
 
-def answering(monkeypatch, reserved, host=lambda length, switches: 0):
+def answering(monkeypatch, reserved, host=lambda length, switches: 0, world_size=1):
     """longest.Question answering with `reserved(length, switches)` bytes (and `host` host
-    bytes) instead of an estimate; returns the lengths asked, by switches."""
+    bytes) instead of an estimate, on `world_size` processes, each text split across them where
+    --sequence-parallel is given; returns the lengths asked, by switches."""
     asked_at = []
 
     class Fake:
-        def __init__(self, script, argv, world_size, gpu, accumulates):
-            assert world_size == 1 and not accumulates
+        def __init__(self, script, argv, world_size_asked, gpu, accumulates, shares_texts):
+            assert world_size_asked == world_size and not accumulates
+            assert shares_texts == ("--sequence-parallel" in argv)
             self.length = int(argv[argv.index("--seq-len") + 1])
             self.switches = tuple(argv[argv.index("--seq-len") + 2:])
             if "--max-positions" in argv:
@@ -125,6 +128,25 @@ def test_the_walk_answers_the_cheapest_prefix_of_the_longest_and_asks_others_onc
     assert f"{best:,} tokens, with {first} and the links before it" in text.splitlines()[0]
 
 
+def test_a_prefix_after_the_first_draws_its_line_at_the_slope_found_before(monkeypatch):
+    """Each prefix frees 3 GB more than the one before and every prefix costs the same bytes a
+    token: after the first prefix, each starts from the slope found before and ends in 3
+    estimates (one granule past the longest so far, the line's crossing, one granule past it),
+    where 4 times the length would have been asked first."""
+    question = asked(parameters=10**6)
+    number = {tuple(argv_of(switches)): index for index, (_, switches, _)
+              in enumerate(longest.links(question)) if switches is not None}
+    answering(monkeypatch, lambda length, switches: 60 * 10**9 - 3 * 10**9 * number[switches]
+              + 300_000 * length)
+    found = [entry for entry in longest.walk_lengths(question, report=lambda _: None)
+             if entry.switches is not None]
+    assert found[0].estimates > 3
+    for entry in found[1:]:
+        freed = 3 * 10**9 * number[tuple(argv_of(entry.switches))]
+        assert entry.length == (20 * 10**9 + freed) // 300_000 // GRANULE * GRANULE
+        assert entry.estimates == 3, entry.link.name
+
+
 def test_each_prefix_of_the_long_chain_is_a_switch_set_10_trains(combined):
     """The tiled MLP sits where the cost model puts it (in the exact group, by the seconds of one
     more forward of the MLPs), and the offload link keeps the fused loss and the tiles."""
@@ -143,11 +165,63 @@ def test_each_prefix_of_the_long_chain_is_a_switch_set_10_trains(combined):
                                   "--mlp-tiles": "auto", "--offload": True}
 
 
+@pytest.mark.parametrize("furthest", ["FSDP ZeRO-3, fused loss, full checkpointing, tiled MLP",
+                                      "sequence parallel, offloaded checkpointing, tiled MLP, offload"])
+def test_on_several_gpus_each_sharded_link_is_walked_and_its_command_launches_them(
+        furthest, monkeypatch, combined, tmp_path):
+    """--world-size 8: each link of LONG_SHARDED_CHAIN, a whole switch set, in its order,
+    estimated as process 0 of 8 (each text split where --sequence-parallel is given: the Fake
+    checks it), fitting the GPU less SHARDED_MARGIN; the answer's command launches 8 processes
+    with the batch of all of them (the texts a GPU times 8, or 1 text split 8 ways), and 10 takes
+    it under torchrun. Here 72.5 GB fits 80 GB but not the margin's 72 GB."""
+    reach = {link.name: 8 * GRANULE * (4 ** number) for number, link in
+             enumerate(stack.LONG_SHARDED_CHAIN)}
+    last = reach[furthest]
+    reach = {name: length if length <= last else 0 for name, length in reach.items()}
+    reach["sequence parallel, offloaded checkpointing, tiled MLP"] = min(  # no further than the one before
+        reach["sequence parallel, full checkpointing, tiled MLP"], last)
+
+    def reserved(length, switches):
+        link = next(link for link in stack.LONG_SHARDED_CHAIN if switches == tuple(stack.argv_of(link.sets)))
+        return 70 * 10**9 if length <= reach[link.name] else 72_500_000_000
+    answering(monkeypatch, reserved, world_size=8)
+    question = asked(world_size=8, parameters=10**6, positions=64)  # the tiny Llama's
+    found = longest.walk_lengths(question, report=lambda _: None)
+    assert [entry.link for entry in found] == list(stack.LONG_SHARDED_CHAIN)
+    best = max(found, key=lambda entry: entry.length)
+    assert best.link.name == furthest and best.length == last
+    for entry in found:
+        if not entry.length:  # one estimate, a granule past the longest before it
+            assert entry.estimates == 1 and entry.past[1] == 72_500_000_000
+    folder = write_model(tmp_path / "llama", "Llama")
+    text = longest.answer_text(question, found, ["--task", "causal-lm", "--model", str(folder),
+                                                 "--pack"], "80GB", "A100")
+    assert f"{last:,} tokens, with {furthest}:" in text.splitlines()[0]
+    words = shlex.split(next(line for line in text.splitlines()
+                             if line.strip().startswith("torchrun --nproc_per_node=8 10_combined.py")))
+    split = "--sequence-parallel" in words
+    assert split == furthest.startswith("sequence parallel")
+    assert words[words.index("--batch-size") + 1] == ("1" if split else "8")
+    assert "interconnect" in next(line for line in text.splitlines() if "a step:" in line)
+    monkeypatch.setenv("RANK", "0")  # as torchrun starts process 0
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    args = combined.parse_args("", words[3:], flags=combined.own_flags)
+    assert combined.refusal(args) is None
+
+
+def test_a_question_whose_texts_are_split_asks_for_the_batch_in_all():
+    """Question(shares_texts=True): --sequence-parallel's processes read the same texts, so the
+    batch asked is the micro-batch, not the micro-batch a process."""
+    from estimate.question import Question
+    for shares, expected in ((False, "16"), (True, "2")):
+        argv = Question("10_combined.py", ["--sequence-parallel"] if shares else [], 8,
+                        accumulates=False, shares_texts=shares).row(2).argv
+        assert argv[argv.index("--batch-size") + 1] == expected
+
+
 @pytest.mark.parametrize("words, said", [
     (["--longest-sequence"], "add --gpu-memory SIZE"),
     (["--gpu-memory", "80GB", "--longest-sequence"], "add --task causal-lm"),
-    (["--gpu-memory", "80GB", "--longest-sequence", "--task", "causal-lm", "--world-size", "8"],
-     "leave --world-size out"),
     (["--gpu-memory", "80GB", "--longest-sequence", "0", "--task", "causal-lm"],
      "argument --longest-sequence"),
 ])
@@ -157,6 +231,15 @@ def test_a_longest_sequence_question_asked_wrong_is_one_line(words, said, tmp_pa
     assert stopped.value.code == 2
     error = capsys.readouterr().err.strip().splitlines()[-1]
     assert said in error and "Traceback" not in error
+
+
+def test_a_batch_of_one_text_is_asked_of_several_gpus(monkeypatch, tmp_path, capsys):
+    """--world-size 8 --batch-size 1: one text a GPU, or one split across them, not a batch that
+    must split 8 ways (the table's stack refuses that one)."""
+    monkeypatch.setattr(longest, "answer", lambda args, *_, **__: f"asked of {args.stack_world_size} GPUs")
+    assert table_main(["--gpu-memory", "80GB", "--longest-sequence", "--task", "causal-lm",
+                       "--world-size", "8", "--batch-size", "1", "--results-dir", str(tmp_path)]) == 0
+    assert capsys.readouterr().out.strip().endswith("asked of 8 GPUs")
 
 
 # ---- the command an answer prints ------------------------------------------------------------

@@ -23,6 +23,7 @@ from common.presets import PRESETS, for_task
 from conftest import LAUNCH_TIMEOUT, WORLD_SIZE, launched_runs, run_to_end, script_path
 from estimate.contract import EstimateError
 from estimate.predict import predict
+from estimate.stack import LONG_SHARDED_CHAIN, argv_of
 from support.architecture_matrix import SEQ_LEN, model_flags, write_model
 from support.rounding import additions, assert_same_sum
 
@@ -122,7 +123,10 @@ ESTIMATED_RUN = ["--data", "synthetic", "--task", "causal-lm", "--epochs", "1", 
 ESTIMATED = [*((family, "08a", family, []) for family in FAMILIES),
              ("10-Llama", "10", "Llama", ["--sequence-parallel", "--optimizer", "sgd"]),
              ("10-Qwen2-offload-checkpointing", "10", "Qwen2",
-              ["--sequence-parallel", "--offload", "--checkpointing", "full"])]
+              ["--sequence-parallel", "--offload", "--checkpointing", "full"]),
+             # the last link of --longest-sequence's chain on several GPUs, 2 tiles a slice
+             ("10-Llama-longest-sharded", "10", "Llama",
+              [word.replace("auto", "2") for word in argv_of(LONG_SHARDED_CHAIN[-1].sets)])]
 ESTIMATED_LAUNCH_TIMEOUT = 60 * len(ESTIMATED)
 
 
