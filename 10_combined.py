@@ -386,6 +386,7 @@ SHARDED = When(sharding_words, launched_sharded,
 UNDER_TORCHRUN = When(sharding_words, lambda settings: launched_sharded(settings) and not settings.offload,
                       "sharding (torchrun)")
 UNSHARDED = When("without sharding", lambda settings: not launched_sharded(settings), "without sharding")
+UNPACKED = When("without --pack", lambda settings: not settings.pack, "without --pack")
 BUDGET = When("--checkpointing budget:F", lambda settings: settings.checkpointing.startswith("budget:"),
               "--checkpointing budget:F")
 CHECK_ESTIMATE = When("--check-estimate", lambda settings: settings.check_estimate, "--check-estimate")
@@ -502,8 +503,10 @@ REFUSALS = (
      "it says what FSDP does after a block's forward; run under torchrun or with --offload"),
     (given("--sequence-parallel"), given("--task", "classification"),
      "it splits each text for its next tokens, under causal attention; add --task causal-lm"),
-    (given("--sequence-parallel"), given("--loss", "chunked", "fused"),
-     "its loss is over each process's slice of the texts, as the model's own; use --loss model"),
+    (given("--sequence-parallel"), given("--loss", "chunked"),
+     "its loss is over each process's slice of the texts; use --loss fused or model"),
+    (given("--sequence-parallel") & given("--loss", "fused"), UNPACKED,
+     "a slice of padding alone would have no predicted token to average over; add --pack"),
 )
 
 
@@ -550,7 +553,7 @@ def resolved(args):
     if settings.sharded and args.loss != "model":  # sharded switches: a loss of the blocks and
         loss = root_loss  # the output layer apart is the root's forward (apply_sharding)
     if args.sequence_parallel:  # 08a: each process's slice of each text
-        loss = sequence_loss
+        loss = sequence_fused_loss if args.loss == "fused" else sequence_loss
     return Settings(**{**vars(settings), **dict(
         dtype=PRECISIONS[args.precision], compile=args.compile or bool(budget),
         memory_budget=float(budget or 1.0), lora_alpha=args.lora_alpha or 16.0,  # LoRA's default
@@ -1192,8 +1195,10 @@ def apply_sharding(model, settings, preset, device, world_size):  # FSDP
     if settings.sequence_parallel:
         use_sequence_parallel_attention(model)  # sequence parallel
     if settings.loss != "model":  # sharded switches: the loss is the root's forward, so FSDP
-        # gathers the weights outside the blocks before it reads them
-        model.forward = partial({"chunked": chunked_loss, "fused": fused_loss}[settings.loss], model)
+        # gathers the weights outside the blocks before it reads them (sequence parallel: of
+        # targets shifted before the split)
+        model.forward = partial(slice_fused_loss if settings.sequence_parallel else
+                                {"chunked": chunked_loss, "fused": fused_loss}[settings.loss], model)
     fill_shards(model, preset, device)  # each process allocates and fills its shards
 
 
@@ -1383,6 +1388,31 @@ def root_loss(model, inputs, labels):  # sharded switches
     reads them, and reduce-scatters their gradients after backward, as around any forward; the
     base model calls the token embeddings' own unit, which gathers and frees its table."""
     return model(inputs, labels)
+
+
+def slice_fused_loss(model, inputs, targets):  # sharded switches: --sequence-parallel --loss fused
+    """05h's fused_loss of targets shifted already (sequence parallel shifts them before the
+    split), as the root's forward: the mean loss over the labelled tokens of `inputs`."""
+    hidden = model.base_model(**inputs).last_hidden_state  # the blocks' output, before the head
+    return FusedLinearCrossEntropy.apply(
+        hidden, model.get_output_embeddings().weight, targets, torch.is_grad_enabled())
+
+
+def sequence_fused_loss(model, inputs, labels):  # sharded switches: --sequence-parallel --loss fused
+    """08a's sequence_loss with 05h's output layer: this process's slice of each sequence at its
+    global positions, its fused mean loss (the root's forward) scaled to its labelled tokens' sum
+    over the count of all processes', N times. Evaluating (each process its own texts, whole:
+    sequence_parallel_attention), the fused loss of the whole texts."""
+    labels = F.pad(labels[:, 1:], (0, 1), value=IGNORED)  # shifted before the split
+    if not model.training:
+        return model(inputs, labels)
+    rank, n = dist.get_rank(), dist.get_world_size()
+    length = labels.shape[1] // n
+    kept = slice(rank * length, (rank + 1) * length)
+    positions = torch.arange(kept.start, kept.stop, device=labels.device).expand(len(labels), -1)
+    targets = labels[:, kept]
+    mean = model({"input_ids": inputs["input_ids"][:, kept], "position_ids": positions}, targets)
+    return mean * (targets != IGNORED).sum() / (labels != IGNORED).sum() * n
 
 
 def local_shards(weights, in_backward):  # sharded switches: 8-bit and 4-bit AdamW, stochastic rounding

@@ -157,25 +157,27 @@ SHARDED_CHAIN = (
 # --longest-sequence with several GPUs (--world-size N above 1; search/longest.py): each link a
 # whole switch set under torchrun, walked in this order: every GPU a whole text of its own (FSDP
 # ZeRO-3 with the long chain's three exact pieces), then each text split across the GPUs
-# (sequence parallelism, 08a, whose loss is the model's own over each slice: 10_combined.py
-# refuses it the fused loss), its checkpoints in host memory, then the weights and Adam there too.
+# (sequence parallelism, 08a, with the fused loss of each slice), its checkpoints in host memory,
+# then the weights and Adam there too.
 LONG_SHARDED_CHAIN = (
     Link("FSDP ZeRO-3, fused loss, full checkpointing, tiled MLP",
          (("--loss", "fused"), ("--checkpointing", "full"), ("--mlp-tiles", "auto")),
          "every GPU a whole text: as FSDP ZeRO-3 with full checkpointing and the MLP's tiles",
          sharded=True, causal_lm_only=True),
-    Link("sequence parallel, full checkpointing, tiled MLP",
-         (("--sequence-parallel", True), ("--checkpointing", "full"), ("--mlp-tiles", "auto")),
+    Link("sequence parallel, fused loss, full checkpointing, tiled MLP",
+         (("--sequence-parallel", True), ("--loss", "fused"), ("--checkpointing", "full"),
+          ("--mlp-tiles", "auto")),
          "each text split across the GPUs, attention over all of it for 1/N of the heads: four "
          "all-to-alls a block in forward and again in backward, besides FSDP ZeRO-3's",
          sharded=True, causal_lm_only=True),
-    Link("sequence parallel, offloaded checkpointing, tiled MLP",
-         (("--sequence-parallel", True), ("--checkpointing", "offloaded"), ("--mlp-tiles", "auto")),
+    Link("sequence parallel, fused loss, offloaded checkpointing, tiled MLP",
+         (("--sequence-parallel", True), ("--loss", "fused"), ("--checkpointing", "offloaded"),
+          ("--mlp-tiles", "auto")),
          "as the one before, and each block's input over PCIe out and back", group=3,
          sharded=True, causal_lm_only=True),
-    Link("sequence parallel, offloaded checkpointing, tiled MLP, offload",
-         (("--sequence-parallel", True), ("--checkpointing", "offloaded"), ("--mlp-tiles", "auto"),
-          ("--offload", True)),
+    Link("sequence parallel, fused loss, offloaded checkpointing, tiled MLP, offload",
+         (("--sequence-parallel", True), ("--loss", "fused"), ("--checkpointing", "offloaded"),
+          ("--mlp-tiles", "auto"), ("--offload", True)),
          "as the one before, and the weights' shards up twice per micro-batch, gradients down "
          "and Adam on the host", group=4, sharded=True, causal_lm_only=True),
 )

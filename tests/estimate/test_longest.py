@@ -165,8 +165,7 @@ def test_each_prefix_of_the_long_chain_is_a_switch_set_10_trains(combined):
                                   "--mlp-tiles": "auto", "--offload": True}
 
 
-@pytest.mark.parametrize("furthest", ["FSDP ZeRO-3, fused loss, full checkpointing, tiled MLP",
-                                      "sequence parallel, offloaded checkpointing, tiled MLP, offload"])
+@pytest.mark.parametrize("furthest", [stack.LONG_SHARDED_CHAIN[0].name, stack.LONG_SHARDED_CHAIN[-1].name])
 def test_on_several_gpus_each_sharded_link_is_walked_and_its_command_launches_them(
         furthest, monkeypatch, combined, tmp_path):
     """--world-size 8: each link of LONG_SHARDED_CHAIN, a whole switch set, in its order,
@@ -178,8 +177,8 @@ def test_on_several_gpus_each_sharded_link_is_walked_and_its_command_launches_th
              enumerate(stack.LONG_SHARDED_CHAIN)}
     last = reach[furthest]
     reach = {name: length if length <= last else 0 for name, length in reach.items()}
-    reach["sequence parallel, offloaded checkpointing, tiled MLP"] = min(  # no further than the one before
-        reach["sequence parallel, full checkpointing, tiled MLP"], last)
+    split_full, split_offloaded = (link.name for link in stack.LONG_SHARDED_CHAIN[1:3])
+    reach[split_offloaded] = min(reach[split_full], last)  # no further than the one before
 
     def reserved(length, switches):
         link = next(link for link in stack.LONG_SHARDED_CHAIN if switches == tuple(stack.argv_of(link.sets)))

@@ -332,7 +332,7 @@ class Took:
 
         module.MemoryMeter = Meter
         module.evaluate = lambda *args, **kwargs: float("nan")
-        for name in ("chunked_loss", "fused_loss", "step_on_host", "GradientsToHost"):
+        for name in ("chunked_loss", "fused_loss", "slice_fused_loss", "step_on_host", "GradientsToHost"):
             monkeypatch.setattr(module, name, self.counting(name, getattr(module, name)))
         split = module.split_batch
         monkeypatch.setattr(module, "split_batch", lambda *args: (
@@ -422,7 +422,7 @@ def took_effect(name, module, took, record):
         "mlp-tiles": lambda: all(isinstance(block.mlp, module.TiledMLP) for block in blocks),
         "offloaded": lambda: all(isinstance(block.offload, module.OffloadedInputs) for block in blocks),
         "chunked": lambda: took.calls.get("chunked_loss", 0) >= 2,
-        "fused": lambda: took.calls.get("fused_loss", 0) >= 2,
+        "fused": lambda: took.calls.get("fused_loss", 0) + took.calls.get("slice_fused_loss", 0) >= 2,
         "lora-rank": lambda: any(isinstance(layer, module.LoRALinear) for layer in model.modules()),
         "qlora": lambda: any(type(layer.base).__name__ == "Linear4bit" for layer in model.modules()
                      if isinstance(layer, module.LoRALinear)),
@@ -542,6 +542,13 @@ def test_a_checkpointing_kind_it_does_not_know_is_a_usage_error(text, capsys):
 @pytest.mark.parametrize("names", STACKS, ids="+".join)
 def test_stacked_switches_train(names, tmp_path, monkeypatch, small_snippets):
     assert_trains(names, run_switches(names, tmp_path, monkeypatch))
+
+
+def test_a_long_runs_stack_splits_each_text_with_the_fused_loss(tmp_path, monkeypatch, small_snippets):
+    """--longest-sequence's last link on several GPUs (estimate/stack.py), here a group of one:
+    each text's slices with the fused loss, packed (without --pack it is refused)."""
+    names = ("sequence-parallel", "fused", "offloaded", "mlp-tiles", "offload")
+    assert_trains(names, run_switches(names, tmp_path, monkeypatch, ["--pack"]))
 
 
 # what the estimate is checked on beside the default (which tests/scripts/test_causal_lm.py

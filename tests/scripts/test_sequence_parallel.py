@@ -56,20 +56,30 @@ def models(tmp_path_factory):
     return found
 
 
+FUSED = ["--loss", "fused", "--pack", "--precision", "fp32", "--data", "synthetic"]  # 10, the fused loss
+FUSED_FAMILIES = ["Llama", "Qwen2"]
+# (name, script, processes, flags, families): each split in 2 slices, and its whole in one process
+LAUNCHES = [("08a", "08a", WORLD_SIZE, [], FAMILIES), ("07", "07", 1, [], FAMILIES),
+            ("10-split-fused", "10", WORLD_SIZE, ["--sequence-parallel", *FUSED], FUSED_FAMILIES),
+            ("10-fused", "10", 1, FUSED, FUSED_FAMILIES)]
+PAIRS = {"model": ("08a", "07"), "fused": ("10-split-fused", "10-fused")}
+
+
 @pytest.fixture(scope="module")
 def first_steps(models, tmp_path_factory):
-    """{family: (08a in 2 processes, its parent 07 in one)}, each (its record, each process's
-    notes, each process's gradient shards by name) of the first optimizer step, in float32; each
-    script's runs in one launch (tests/support/first_step_probe.py)."""
+    """{(family, loss): (in 2 processes, the same whole in one)}: 08a and its parent 07 (the
+    model's loss), 10 with --sequence-parallel --loss fused --pack and without the first; each
+    (its record, each process's notes, each process's gradient shards by name) of the first
+    optimizer step, in float32; each launch's runs in one (tests/support/first_step_probe.py)."""
     root = tmp_path_factory.mktemp("first-steps")
-    for step, processes in (("08a", WORLD_SIZE), ("07", 1)):
-        runs = [[str(root / step / family), step, [*FIRST_STEP, "--task", "causal-lm", *models[family][0],
-                                                     "--results-dir", str(root / step / family / "results")]]
-                for family in FAMILIES]
-        (root / f"{step}.json").write_text(json.dumps(runs))
+    for name, step, processes, flags, families in LAUNCHES:
+        runs = [[str(root / name / family), step,
+                 [*FIRST_STEP, "--task", "causal-lm", *models[family][0], *flags,
+                  "--results-dir", str(root / name / family / "results")]] for family in families]
+        (root / f"{name}.json").write_text(json.dumps(runs))
         code, output = run_to_end([sys.executable, "-m", "torch.distributed.run", "--standalone",
                                    f"--nproc_per_node={processes}", "tests/support/first_step_probe.py",
-                                   "--runs", str(root / f"{step}.json")], timeout=2 * LAUNCH_TIMEOUT)
+                                   "--runs", str(root / f"{name}.json")], timeout=2 * LAUNCH_TIMEOUT)
         assert code == 0, output
 
     def probed(out_dir, processes):
@@ -77,20 +87,23 @@ def first_steps(models, tmp_path_factory):
         notes = [json.loads((out_dir / f"rank{rank}.json").read_text()) for rank in range(processes)]
         gradients = [torch.load(out_dir / f"grads_rank{rank}.pt") for rank in range(processes)]
         return record, notes, gradients
-    return {family: (probed(root / "08a" / family, WORLD_SIZE), probed(root / "07" / family, 1))
-            for family in FAMILIES}
+    return {(family, loss): (probed(root / split / family, WORLD_SIZE), probed(root / whole / family, 1))
+            for loss, (split, whole) in PAIRS.items()
+            for family in next(families for name, *_, families in LAUNCHES if name == split)}
 
 
 @pytest.mark.numerical
-@pytest.mark.timeout(4 * LAUNCH_TIMEOUT + 60)
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.timeout(8 * LAUNCH_TIMEOUT + 60)
+@pytest.mark.parametrize("family, loss", [*((family, "model") for family in FAMILIES),
+                                          *((family, "fused") for family in FUSED_FAMILIES)])
 def test_two_slices_give_the_loss_and_gradients_of_one_process_on_the_whole_texts(
-        family, models, first_steps):
+        family, loss, models, first_steps):
     """The texts of a batch (padded at their ends) split in two slices of their tokens, one a
     process, attention over the whole texts by head groups: the first step's loss and every
     gradient are those of 07 in one process on the whole texts with the model's own padding
-    mask, within what rounding of the step's sums can produce (tests/support/rounding.py)."""
-    (split, _, split_gradients), (whole, _, (whole_gradients,)) = first_steps[family]
+    mask (10 with the fused loss, packed: those of 10 in one process), within what rounding of
+    the step's sums can produce (tests/support/rounding.py)."""
+    (split, _, split_gradients), (whole, _, (whole_gradients,)) = first_steps[family, loss]
     _, config, tokens = models[family]
     assert split["world_size"] == WORLD_SIZE and whole["world_size"] == 1
     n = additions(config, BATCH * tokens)
@@ -105,11 +118,11 @@ def test_two_slices_give_the_loss_and_gradients_of_one_process_on_the_whole_text
     assert any(gradient.abs().sum() > 0 for gradient in whole_gradients.values())
 
 
-@pytest.mark.timeout(4 * LAUNCH_TIMEOUT + 60)
+@pytest.mark.timeout(8 * LAUNCH_TIMEOUT + 60)
 def test_every_process_reads_the_whole_batch(first_steps):
     """Every process reads the same texts (07's processes read half a batch each), and keeps a
     slice of each."""
-    (_, notes, _), _ = first_steps["tiny-text"]
+    (_, notes, _), _ = first_steps["tiny-text", "model"]
     first, second = (rank["batches"] for rank in notes)
     assert first == second and [batch["size"] for batch in first] == [BATCH]
 
@@ -126,7 +139,7 @@ ESTIMATED = [*((family, "08a", family, []) for family in FAMILIES),
               ["--sequence-parallel", "--offload", "--checkpointing", "full"]),
              # the last link of --longest-sequence's chain on several GPUs, 2 tiles a slice
              ("10-Llama-longest-sharded", "10", "Llama",
-              [word.replace("auto", "2") for word in argv_of(LONG_SHARDED_CHAIN[-1].sets)])]
+              ["--pack", *(word.replace("auto", "2") for word in argv_of(LONG_SHARDED_CHAIN[-1].sets))])]
 ESTIMATED_LAUNCH_TIMEOUT = 60 * len(ESTIMATED)
 
 

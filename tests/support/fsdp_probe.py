@@ -56,17 +56,21 @@ class Probe:
         self.gradients = None
 
     def watch(self, train_step):
-        def watched_train_step(model, optimizer, inputs, labels, *args, **kwargs):
+        def watched_train_step(model, optimizer, *args, **kwargs):
             if not self.notes["between_steps"]:
                 self.first_look(model, optimizer)
+            # the batch: 07-09's (inputs, labels, ...), 10's (scaler, inputs, labels, ...)
+            inputs, labels = next((args[at], args[at + 1]) for at in range(len(args))
+                                  if isinstance(args[at], dict))
             self.notes["batches"].append({"size": len(labels), "input_sum": sum(
                 tensor.double().sum().item() for tensor in inputs.values())})
-            state = [value for per_parameter in optimizer.state.values()
+            state = [value for stepped in getattr(optimizer, "stepped", [optimizer])
+                     for per_parameter in stepped.state.values()
                      for value in per_parameter.values() if torch.is_tensor(value)]
             self.notes["between_steps"].append({
                 "parameters": device_types(local(p) for p in model.parameters()),
                 "optimizer_state": device_types(state)})
-            return train_step(model, optimizer, inputs, labels, *args, **kwargs)
+            return train_step(model, optimizer, *args, **kwargs)
         return watched_train_step
 
     def first_look(self, model, optimizer):
@@ -82,7 +86,8 @@ class Probe:
                 "gradients": device_types(gradients.values()), "gradient_count": len(gradients)})
             if len(self.notes["in_optimizer_step"]) == TRACKED_STEPS + 1:
                 self.gradients = {name: grad.detach().clone() for name, grad in gradients.items()}
-        optimizer.register_step_pre_hook(in_optimizer_step)
+        for stepped in getattr(optimizer, "stepped", [optimizer]):  # 10's: the optimizers it steps
+            stepped.register_step_pre_hook(in_optimizer_step)
         self.watch_embeddings(model)
 
     def watch_embeddings(self, model):
