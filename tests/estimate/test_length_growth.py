@@ -7,6 +7,7 @@ import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 
+from estimate import length_growth
 from estimate.check import estimate
 from estimate.gpu_choices import GPUS, gpu_attention
 from estimate.length_growth import LengthWatch, at_length, squares
@@ -103,3 +104,16 @@ def test_an_estimate_with_a_length_says_what_grows_as_its_square(tmp_path, capsy
     assert "__and__: bool (2, 1, 32, 32)" in said  # transformers' mask, on the CPU
     estimate(str(STEPS["04"].path), [*flags, "--pack", "--results-dir", str(tmp_path)])
     assert "length x length         none" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv, world_size, half", [
+    (["--seq-len", "65536"], 1, 32769),  # odd: no width of a model
+    (["--seq-len", "65536", "--sequence-parallel"], 8, 32776),  # a slice of 4,097 a process
+])
+def test_the_second_length_is_about_half_and_splits_over_the_processes(argv, world_size, half,
+                                                                        monkeypatch):
+    asked = []
+    monkeypatch.setattr(length_growth, "watched",
+                        lambda script, argv, length, world, gpu: asked.append(length) or {})
+    assert length_growth.squares("10_combined.py", argv, world_size) == []
+    assert asked == [65536, half]
