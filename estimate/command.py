@@ -1,6 +1,7 @@
 """`python -m estimate`: every numbered script's prediction in one table."""
 import argparse
 import io
+import math
 import os
 import re
 import sys
@@ -171,6 +172,10 @@ def parse_table_args(argv):
         if args.longest_sequence and args.task != "causal-lm":
             parser.error("--longest-sequence asks how long a language model's sequence fits: "
                          "add --task causal-lm")
+        if args.longest_sequence and args.longest_sequence % args.stack_world_size:
+            parser.error(f"--longest-sequence {args.longest_sequence}: each length is split in "
+                         f"{args.stack_world_size} slices (--world-size), so give a granule they "
+                         f"divide, such as {math.lcm(args.longest_sequence, args.stack_world_size)}")
     elif args.longest_sequence:
         parser.error("--longest-sequence asks what fits on a GPU: add --gpu-memory SIZE")
     elif args.interconnect:

@@ -47,8 +47,9 @@ class Question:
         return compiles(self.script, self.base_argv)
 
     def row(self, micro):
-        """The row whose run has micro-batches of `micro` samples per process; a question of
-        memory, so the data set's size does not limit it."""
+        """The row whose run has micro-batches of `micro` samples per process (in all, where the
+        processes share their texts); a question of memory, so the data set's size does not
+        limit it."""
         if self.accumulates:
             flags = ["--batch-size", str(2 * micro * self.texts), "--accum-steps", "2"]
         else:

@@ -52,6 +52,7 @@ class Asked:
     granule: int = GRANULE
     task: str = "causal-lm"
     world_size: int = 1
+    heads: int = 1  # the model's attention heads (each text splits over GPUs that divide them)
 
     @property
     def room(self):
@@ -110,9 +111,10 @@ class LengthSearch:
                 self.seen[length] = (None, problem)
             elif record["reserved_bytes"] > asked.room:
                 self.seen[length] = (None, record["reserved_bytes"])
-            elif asked.host_capacity is not None and record["host_bytes"] > asked.host_capacity:
-                self.seen[length] = (None, f"needs {size_text(record['host_bytes'])} of host memory, "
-                                           f"above --host-memory")
+            elif (asked.host_capacity is not None
+                  and record["host_bytes"] * asked.world_size > asked.host_capacity):  # one machine's
+                self.seen[length] = (None, f"needs {size_text(record['host_bytes'] * asked.world_size)} "
+                                           f"of host memory, above --host-memory")
             else:
                 self.seen[length] = (record, record["reserved_bytes"])
             outcome = self.seen[length][1]
@@ -180,9 +182,13 @@ def at_length(asked):
 
 def links(asked):
     """[(link, switches, notes)]: each prefix of LONG_CHAIN ordered by the cost model at
-    at_length, or on several GPUs each link of LONG_SHARDED_CHAIN."""
+    at_length, or on several GPUs each link of LONG_SHARDED_CHAIN (those that split each text
+    skipped where the attention heads do not split over the GPUs: switches None)."""
     if asked.world_size > 1:
-        return [(link, list(link.sets), []) for link in LONG_SHARDED_CHAIN]
+        unsplit = asked.heads % asked.world_size
+        return [(link, None, [f"{asked.heads} attention heads do not split over {asked.world_size} "
+                              "GPUs"]) if unsplit and splits_texts(link.sets) else (link, list(link.sets), [])
+                for link in LONG_SHARDED_CHAIN]
     at = at_length(asked)
     ordering = Costs(**{**vars(asked.costs), "tokens": asked.batch_size * at, "length": at})
     seconds = {link.name: link_seconds(link, ordering) for link in LONG_CHAIN}
@@ -247,7 +253,9 @@ def answer_text(asked, found, shown_argv, gpu_memory, gpu_name):
                   f"  {command}",
                   f"  {size_text(record['reserved_bytes'])} reserved, {size_text(record['allocated_bytes'])} "
                   f"allocated{past or ''}",
-                  f"  host memory: {size_text(record['host_bytes'])}" + (" a process" if world > 1 else "")
+                  f"  host memory: {size_text(record['host_bytes'])}"
+                  + (f" a process, {size_text(record['host_bytes'] * world)} for {world}"
+                     if world > 1 else "")
                   + (f" (--host-memory {size_text(asked.host_capacity)})" if asked.host_capacity else ""),
                   f"  a step: {sum(parts.values()):.3g} s by the cost model ({parts_text(parts, costs)})"]
     lines.append(f"\nThe chain for long sequences on {world} GPUs, each link a whole switch set under "
@@ -295,7 +303,8 @@ def answer(args, flags, gpu_name, report=print):
     asked = Asked(STEPS["10"].path, ["--preset", args.preset, "--device", args.device, *model_argv],
                   args.batch_size or 1, args.capacity, args.gpu, costs, longest_sequence(config),
                   isinstance(getattr(config, "rope_parameters", None), dict), args.host_capacity,
-                  args.longest_sequence, world_size=args.stack_world_size)
+                  args.longest_sequence, world_size=args.stack_world_size,
+                  heads=getattr(config, "num_attention_heads", 1))
     found = walk_lengths(asked, report)
     shown = [*(["--preset", args.preset] if args.model is None else []), *model_argv]
     return answer_text(asked, found, shown, args.gpu_memory, gpu_name)

@@ -2,6 +2,7 @@
 chain for long sequences, each prefix's length found by estimates (stood in for here: each
 answer's figures are made up, so that what the search does with them can be checked); and the
 command an answer prints, which 10_combined.py parses and a tiny model trains with on the CPU."""
+import json
 import math
 import shlex
 
@@ -25,10 +26,11 @@ def combined():
 
 
 def asked(capacity=80 * 10**9, positions=131072, stretches=True, host_capacity=None,
-          granule=GRANULE, parameters=8 * 10**9, world_size=1):
+          granule=GRANULE, parameters=8 * 10**9, world_size=1, heads=32):
     return longest.Asked("10_combined.py", ["--model", "M"], 1, capacity, "a100",
                          Costs(parameters, 0, 32, 4096, 128256, mlp_parameters=parameters // 2),
-                         positions, stretches, host_capacity, granule, world_size=world_size)
+                         positions, stretches, host_capacity, granule, world_size=world_size,
+                         heads=heads)
 
 
 def answering(monkeypatch, reserved, host=lambda length, switches: 0, world_size=1):
@@ -89,12 +91,14 @@ def test_steps_of_the_allocator_and_a_square_term_still_end_at_the_granule(monke
     assert len(found.seen) <= 2 * math.log2(4 * 2**20 / GRANULE)
 
 
-def test_host_memory_past_host_memory_does_not_fit(monkeypatch):
+@pytest.mark.parametrize("world_size", [1, 8])
+def test_host_memory_past_host_memory_does_not_fit(world_size, monkeypatch):
+    """--host-memory is one machine's: on 8 GPUs, 8 processes' host memory."""
     answering(monkeypatch, lambda length, _: 10**9 + 1000 * length,
-              host=lambda length, _: 300_000 * length)
-    question = asked(host_capacity=100 * 10**9)
+              host=lambda length, _: 300_000 * length, world_size=world_size)
+    question = asked(host_capacity=100 * 10**9, world_size=world_size)
     length, _ = search(question)
-    assert length == 100 * 10**9 // 300_000 // GRANULE * GRANULE
+    assert length == 100 * 10**9 // (300_000 * world_size) // GRANULE * GRANULE
 
 
 def test_positions_that_do_not_stretch_bound_the_length(monkeypatch):
@@ -193,6 +197,8 @@ def test_on_several_gpus_each_sharded_link_is_walked_and_its_command_launches_th
         if not entry.length:  # one estimate, a granule past the longest before it
             assert entry.estimates == 1 and entry.past[1] == 72_500_000_000
     folder = write_model(tmp_path / "llama", "Llama")
+    config = json.loads((folder / "config.json").read_text())  # heads that split 8 ways
+    (folder / "config.json").write_text(json.dumps({**config, "num_attention_heads": 8}))
     text = longest.answer_text(question, found, ["--task", "causal-lm", "--model", str(folder),
                                                  "--pack"], "80GB", "A100")
     assert f"{last:,} tokens, with {furthest}:" in text.splitlines()[0]
@@ -206,6 +212,20 @@ def test_on_several_gpus_each_sharded_link_is_walked_and_its_command_launches_th
     monkeypatch.setenv("WORLD_SIZE", "8")
     args = combined.parse_args("", words[3:], flags=combined.own_flags)
     assert combined.refusal(args) is None
+    (combined.check_split if split else combined.check_batch_split)(args, 8)  # what 10 checks then
+
+
+def test_texts_are_not_split_over_gpus_that_do_not_divide_the_heads(monkeypatch):
+    """32 heads on 6 GPUs: the links that split each text are skipped, said once; the whole-text
+    link is asked."""
+    asked_at = answering(monkeypatch, lambda length, _: 10**9, world_size=6)
+    found = longest.walk_lengths(asked(world_size=6, granule=6 * GRANULE, positions=None),
+                                 report=lambda _: None)
+    assert [entry.switches is None for entry in found] == [
+        longest.splits_texts(link.sets) for link in stack.LONG_SHARDED_CHAIN]
+    assert all("32 attention heads do not split over 6 GPUs" in entry.notes[0]
+               for entry in found if entry.switches is None)
+    assert asked_at and all("--sequence-parallel" not in switches for switches, _ in asked_at)
 
 
 def test_a_question_whose_texts_are_split_asks_for_the_batch_in_all():
@@ -223,6 +243,8 @@ def test_a_question_whose_texts_are_split_asks_for_the_batch_in_all():
     (["--gpu-memory", "80GB", "--longest-sequence"], "add --task causal-lm"),
     (["--gpu-memory", "80GB", "--longest-sequence", "0", "--task", "causal-lm"],
      "argument --longest-sequence"),
+    (["--gpu-memory", "80GB", "--longest-sequence", "1020", "--task", "causal-lm", "--world-size", "8"],
+     "give a granule they divide, such as 2040"),
 ])
 def test_a_longest_sequence_question_asked_wrong_is_one_line(words, said, tmp_path, capsys):
     with pytest.raises(SystemExit) as stopped:
