@@ -18,9 +18,10 @@ checked  prints the same table from the predictions the runs made beside themsel
          (--check-estimate, which --at-scale adds), with the GPU each emulated.
 --at-scale  the studies' settings instead, on data drawn at random (--data synthetic) and models
          made from their configs (docs/models/): ViT-L/16 at batch 64 (01, 02, 03, 04, 05c, 06),
-         Llama-3.2-1B at 8 x 2,048 tokens (04, 05c, 05h, --task causal-lm) and BERT-large at 512
-         tokens, batch 16 (01, 04); each with --check-estimate, so the record holds the
-         prediction made beside it.
+         Llama-3.2-1B at 8 x 2,048 tokens (04, 05c, 05h, --task causal-lm), BERT-large at 512
+         tokens, batch 16 (01, 04), and Llama-3.2-1B on one packed text of 65,536 tokens (10
+         with the stack that fits it on 24 GB); each with --check-estimate, so the record holds
+         the prediction made beside it.
 
 It only measures and prints: no test depends on it.
 """
@@ -50,15 +51,26 @@ AT_SCALE = {  # the studies' models on random data of their shapes: no download
                  "--seq-len", "2048", "--batch-size", "8", "--data", "synthetic"],
     "bert-large": ["--preset", "tiny-text", "--model", "docs/models/bert-large-uncased",
                    "--seq-len", "512", "--batch-size", "16", "--data", "synthetic"],
+    # a long sequence: one packed text of 65,536 tokens
+    "llama-1b-64k": ["--preset", "tiny-text", "--task", "causal-lm", "--model", "docs/models/llama-3.2-1b",
+                     "--seq-len", "65536", "--batch-size", "1", "--pack", "--data", "synthetic"],
 }
 AT_SCALE_STEPS = {"vit-large": ("01", "02", "03", "04", "05c", "06", "10"),
-                  "llama-1b": ("04", "05c", "05h", "10"), "bert-large": ("01", "04")}
+                  "llama-1b": ("04", "05c", "05h", "10"), "bert-large": ("01", "04"),
+                  "llama-1b-64k": ("10",)}
 # 10_combined.py runs the stack's answer, computed beforehand on the CPU (docs/combined.md): the
 # chain's prefix up to the link named, in micro-batches of batch / accumulation steps. ViT-L/16's
 # is how low one GPU goes (python -m estimate --preset article --batch-size 64 --gpu-memory 0.7GB
 # --stack-only: 0.66 GB); Llama-3.2-1B's the 24 GB answer (... --gpu-memory 24GB: 17.35 GB)
 AT_SCALE_STACKS = {"vit-large": ("classification", "gradients to host", 64),
                    "llama-1b": ("causal-lm", "bf16", 8)}
+
+
+# 10_combined.py at a long length runs the stack that fits it, from the --longest-sequence walk
+# (docs/causal-lm.md: Llama-3.2-1B on 24 GB, its prefix up to full checkpointing reaches 72,704
+# tokens: python -m estimate --model docs/models/llama-3.2-1b --task causal-lm --batch-size 1
+# --gpu-memory 24GB --longest-sequence)
+AT_SCALE_LONG = {"llama-1b-64k": ["--loss", "fused", "--checkpointing", "full", "--mlp-tiles", "auto"]}
 
 
 def stack_flags(setting):
@@ -82,6 +94,8 @@ def command(preset, step_id, results, extra=()):
     flags = AT_SCALE.get(preset) or PRESETS[preset]
     if preset in AT_SCALE_STACKS and step_id == "10":  # the stack's answer
         flags = [*flags, *stack_flags(preset)]
+    if preset in AT_SCALE_LONG and step_id == "10":  # the long sequence's stack
+        flags = [*flags, *AT_SCALE_LONG[preset]]
     return [sys.executable, str(STEPS[step_id].path), *flags, *TWO_STEPS,
             "--results-dir", str(results), *extra]
 

@@ -213,8 +213,9 @@ def test_the_at_scale_measurement_runs_commands_the_scripts_take_and_tables_thei
         args = parse_args("", [*words, "--device", "cpu"],
                           flags=getattr(script, "own_flags", None))
         assert args.data == "synthetic" and args.max_steps == 2
-        if step == "10":  # the stack's answer: switches 10 takes together
-            assert script.refusal(args) is None and args.accum_steps > 1
+        if step == "10":  # the stack's answer (or the long text's): switches 10 takes together
+            assert script.refusal(args) is None
+            assert args.accum_steps > 1 or (setting in measured.AT_SCALE_LONG and args.seq_len == 65536)
     record = {"predicted_allocated_bytes": 100 * 2**20, "predicted_reserved_bytes": 200 * 2**20,
               "cuda_max_allocated_bytes": 110 * 2**20, "cuda_max_reserved_bytes": 220 * 2**20,
               "predicted_gpu": "H100 emulated"}
