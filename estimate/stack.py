@@ -168,7 +168,7 @@ LONG_SHARDED_CHAIN = (
          (("--sequence-parallel", True), ("--loss", "fused"), ("--checkpointing", "full"),
           ("--mlp-tiles", "auto")),
          "each text split across the GPUs, attention over all of it for 1/N of the heads: four "
-         "all-to-alls a block in forward and again in backward, besides FSDP ZeRO-3's",
+         "all-to-alls a block in forward, its recomputation and backward, besides FSDP ZeRO-3's",
          sharded=True, causal_lm_only=True),
     Link("sequence parallel, fused loss, offloaded checkpointing, tiled MLP",
          (("--sequence-parallel", True), ("--loss", "fused"), ("--checkpointing", "offloaded"),
