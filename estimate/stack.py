@@ -193,17 +193,19 @@ STATE_BYTES = {"adam": 2 * WEIGHT_BYTES,  # Adam's two moments, in the weights' 
 
 
 def resident_bytes(switches, parameters, world_size=1):
-    """A floor under a prefix's peak: the weights and the optimizer's state, which stay on the
-    GPU through every step of the run (no state under --optimizer-on-host, neither under
-    --offload; a `world_size`-th of them when sharded), and under ZeRO-2 (--reshard-after-forward
-    false) every weight gathered whole at the end of forward besides; a prefix whose floor
-    exceeds the GPU is not estimated."""
+    """A floor under a prefix's peak: the weights, their gradients and the optimizer's state,
+    which are all held at once when the optimizer steps (no gradients held whole under
+    --optimizer-in-backward or --gradients-to-host, no state under --optimizer-on-host, neither
+    under --offload; a `world_size`-th of them when sharded), and under ZeRO-2
+    (--reshard-after-forward false) every weight gathered whole at the end of forward besides; a
+    prefix whose floor exceeds the GPU is not estimated."""
     chosen = dict(switches)
     if chosen.get("--offload"):
         return 0
     state = 0 if chosen.get("--optimizer-on-host") else STATE_BYTES[chosen.get("--optimizer", "adam")]
+    held = 0 if chosen.get("--optimizer-in-backward") or chosen.get("--gradients-to-host") else WEIGHT_BYTES
     gathered = WEIGHT_BYTES if world_size > 1 and chosen.get("--reshard-after-forward") == "false" else 0
-    return parameters * gathered + parameters * (WEIGHT_BYTES + state) // world_size
+    return parameters * gathered + parameters * (WEIGHT_BYTES + held + state) // world_size
 
 
 def ordered(seconds=None, chain=CHAIN):

@@ -206,7 +206,8 @@ def walk_lengths(asked, report=print):
             continue
         floor = resident_bytes(switches, asked.costs.parameters, asked.world_size)
         if floor > asked.room:
-            entry.past = (asked.granule, f"its weights and optimizer state alone hold {size_text(floor)}")
+            entry.past = (asked.granule, "its weights, gradients and optimizer state alone hold "
+                                         f"{size_text(floor)}")
             report(f"[longest] {link.name}: not estimated: {entry.past[1]}")
             continue
         first = best + asked.granule

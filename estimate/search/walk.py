@@ -152,7 +152,8 @@ class Walk:
             elif slower and slower(link, switches):
                 plan = slower(link, switches)
             elif floor > self.room(world):
-                plan = f"not estimated: its weights and optimizer state alone hold {size_text(floor)}"
+                plan = ("not estimated: its weights, gradients and optimizer state alone hold "
+                        f"{size_text(floor)}")
             else:
                 accumulates = ("--optimizer-in-backward", True) not in switches
                 plan = (Question(self.script, [*self.base_argv, *argv_of(switches)], world,

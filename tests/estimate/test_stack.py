@@ -204,8 +204,22 @@ def test_a_prefix_whose_weights_and_state_exceed_the_gpu_is_not_estimated(every_
                         parameters=parameters)  # 1 byte: every floor but --offload's is above
     said = {link.name: value for link, switches, _, value in answer.tried if switches is not None}
     assert isinstance(said.pop("offload"), int)
-    assert all(value.startswith("not estimated: its weights and optimizer state alone hold")
+    assert all(value.startswith("not estimated: its weights, gradients and optimizer state alone hold")
                for value in said.values())
+
+
+def test_a_link_that_steps_after_backward_counts_its_gradients_in_its_floor():
+    """8-bit GaLore holds every gradient whole until its step (2 bytes a parameter beside the
+    weights' 2 and its 0.5 of state): in room for 3.5 bytes a parameter it is not estimated, as
+    Llama-3.1-8B's was on 24 GB (41.84 GB when estimated); stepped in backward, it is."""
+    parameters = 10**6
+    run = walk.Walk(COMBINED, BASE, BATCH, 1, int(3.5 * parameters), "a100", None, 1, None,
+                    walk.Answer(parameters=parameters))
+    plans = {link.name: plan for link, _, _, plan in run.planned(stack.prefixes("causal-lm"))}
+    assert plans["8-bit GaLore"] == ("not estimated: its weights, gradients and optimizer state "
+                                     f"alone hold {size_text(int(4.5 * parameters))}")
+    assert isinstance(plans["optimizer in backward"], tuple)  # (its question, its micro-batch)
+    assert isinstance(plans["gradients to host"], tuple)
 
 
 @pytest.mark.parametrize("task", ["classification", "causal-lm"])
