@@ -196,16 +196,19 @@ def resident_bytes(switches, parameters, world_size=1):
     """A floor under a prefix's peak: the weights, their gradients and the optimizer's state,
     which are all held at once when the optimizer steps (no gradients held whole under
     --optimizer-in-backward or --gradients-to-host, no state under --optimizer-on-host, neither
-    under --offload; a `world_size`-th of them when sharded), and under ZeRO-2
-    (--reshard-after-forward false) every weight gathered whole at the end of forward besides; a
-    prefix whose floor exceeds the GPU is not estimated."""
+    under --offload; a `world_size`-th of them when sharded). Under ZeRO-2
+    (--reshard-after-forward false) every weight is gathered whole at the end of forward, when a
+    micro-batch's gradient shards need not exist yet: whole weights and the shards of weights and
+    state, which outweigh the step's shards. A prefix whose floor exceeds the GPU is not
+    estimated."""
     chosen = dict(switches)
     if chosen.get("--offload"):
         return 0
     state = 0 if chosen.get("--optimizer-on-host") else STATE_BYTES[chosen.get("--optimizer", "adam")]
+    if world_size > 1 and chosen.get("--reshard-after-forward") == "false":
+        return parameters * WEIGHT_BYTES + parameters * (WEIGHT_BYTES + state) // world_size
     held = 0 if chosen.get("--optimizer-in-backward") or chosen.get("--gradients-to-host") else WEIGHT_BYTES
-    gathered = WEIGHT_BYTES if world_size > 1 and chosen.get("--reshard-after-forward") == "false" else 0
-    return parameters * gathered + parameters * (WEIGHT_BYTES + held + state) // world_size
+    return parameters * (WEIGHT_BYTES + held + state) // world_size
 
 
 def ordered(seconds=None, chain=CHAIN):

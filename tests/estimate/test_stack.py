@@ -192,7 +192,7 @@ def test_stack_only_needs_gpu_memory(capsys):
     assert "--stack-only answers --gpu-memory" in capsys.readouterr().err
 
 
-def test_a_prefix_whose_weights_and_state_exceed_the_gpu_is_not_estimated(every_prefix):
+def test_a_prefix_whose_weights_gradients_and_state_exceed_the_gpu_is_not_estimated(every_prefix):
     parameters = every_prefix.parameters
     assert parameters > 0
     for link, switches, _, reserved in every_prefix.tried:
@@ -220,6 +220,10 @@ def test_a_link_that_steps_after_backward_counts_its_gradients_in_its_floor():
                                      f"alone hold {size_text(int(4.5 * parameters))}")
     assert isinstance(plans["optimizer in backward"], tuple)  # (its question, its micro-batch)
     assert isinstance(plans["gradients to host"], tuple)
+    # ZeRO-2's whole weights exist at the end of forward, before its micro-batch's gradient
+    # shards: whole weights and the shards of weights and Adam's state, no gradients
+    zero2 = next(link for link in stack.SHARDED_CHAIN if link.name == "FSDP ZeRO-2")
+    assert stack.resident_bytes(zero2.sets, 8 * parameters, 8) == 16 * parameters + 6 * parameters
 
 
 @pytest.mark.parametrize("task", ["classification", "causal-lm"])
