@@ -17,7 +17,7 @@ from estimate.replay.snapshot import Recorder
 from estimate.replay.snapshot import write as write_snapshot
 from estimate.replay.trace import replay
 from estimate.shortcuts import cache
-from estimate.shortcuts.blocks import run_by_blocks
+from estimate.shortcuts.blocks import run_by_blocks, run_by_one_probe
 from estimate.shortcuts.cache import from_fake_run
 from steps import step_of
 
@@ -55,13 +55,22 @@ def predict(script_path, argv, world_size=1, gpu=DEFAULT_GPU, any_batch_size=Fal
     return record_of(run_for(row), gpu, snapshot)
 
 
-def run_for(row):
+def run_for(row, learned=None):
     """The fake run a row asks for, as a KeptRun (shortcuts/cache.py): by blocks where the model's
-    blocks repeat, else whole; compiled, with its unfused bound where asked."""
+    blocks repeat, else whole; compiled, with its unfused bound where asked. `learned`: what a
+    run of the same row at another micro-batch size kept of its probes (KeptRun.learned): its
+    middle probe alone is then run at this size, where its events allow."""
     script_path, argv, world_size, gpu = row.script, row.argv, row.world_size, row.gpu
     exact = row.exact or os.environ.get(EXACT_VARIABLE) == "1"
     run, snapshot, any_batch_size = None, row.snapshot, row.any_batch_size
-    if wants_cuda_emulation(argv) and not (exact or snapshot or compiles(script_path, argv)):
+    by_blocks = wants_cuda_emulation(argv) and not (exact or snapshot or compiles(script_path, argv))
+    if by_blocks and learned:
+        try:  # one probe, the rules of another size's (shortcuts/blocks.py)
+            run = run_by_one_probe(script_path, argv, world_size, gpu, any_batch_size, learned)
+        except Exception:  # noqa: BLE001 - NotByBlocks, or the probe's failure: all the probes
+            if os.environ.get("ESTIMATE_TRACEBACK"):
+                traceback.print_exc()
+    if by_blocks and run is None:
         try:  # from runs of a few periods of the model's blocks (shortcuts/blocks.py), where they repeat
             run = run_by_blocks(script_path, argv, world_size, gpu, any_batch_size,
                                 sharded=shards(script_path, argv, world_size))
@@ -203,10 +212,10 @@ def attempt(row):
     return (record_of(kept, row.gpu, row.snapshot) if kept else None), problem, seconds
 
 
-def attempt_run(row, run=True):
+def attempt_run(row, run=True, learned=None):
     """(KeptRun, None, seconds) or (None, message, seconds), as attempt: the row's fake run,
-    kept from an earlier one (shortcuts/cache.py) where one still holds, else made and kept (unless not
-    `run`: then (None, None, None))."""
+    kept from an earlier one (shortcuts/cache.py) where one still holds, else made (run_for, with
+    `learned`) and kept (unless not `run`: then (None, None, None))."""
     start = time.perf_counter()
     name = cache.key(row, row.exact or os.environ.get(EXACT_VARIABLE) == "1")
     emulated = GPUS[row.gpu] if wants_cuda_emulation(row.argv) else None
@@ -216,7 +225,7 @@ def attempt_run(row, run=True):
     if not run:
         return None, None, None
     try:
-        kept = run_for(row)
+        kept = run_for(row, learned)
     except Exception as error:  # noqa: BLE001 - reported as the row's outcome
         if os.environ.get("ESTIMATE_TRACEBACK"):
             traceback.print_exc()

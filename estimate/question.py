@@ -90,9 +90,11 @@ class Question:
         return earlier
 
     def estimate(self, micro):
-        """(allocated, reserved) at `micro` from its run, made now unless kept, and noted for later
-        questions; RuntimeError with the problem where it fails."""
-        kept, problem, _ = attempt_run(self.row(micro))
+        """(allocated, reserved) at `micro` from its run, made now unless kept (by blocks, from its
+        middle probe alone where a run of another size kept the others: predict.run_for), and
+        noted for later questions; RuntimeError with the problem where it fails."""
+        learned = next((kept.learned for kept in self.runs.values() if kept.learned), None)
+        kept, problem, _ = attempt_run(self.row(micro), learned=learned)
         if problem:
             raise RuntimeError(problem)
         cache.note_size(self.sizes_key, micro)

@@ -71,6 +71,7 @@ class FakeRun:
     # (shortcuts/blocks.py: config -> (periods, blocks, the config cut)); None: the whole model
     periods: int = None  # a probe's: the periods of blocks of the whole model
     blocks: tuple = None  # a probe's (blocks of the whole model, its own blocks)
+    learned: dict = None  # written by blocks: what another size's run needs (shortcuts/blocks.py)
     gpu_read: object = None  # the emulated GPU as the run reads it (gpu_choices.ReadGpu)
     size_choices: list = field(default_factory=list)  # chosen by the micro-batch's size (shortcuts/sizes.py)
 

@@ -18,7 +18,7 @@ import copy
 from functools import partial
 
 from estimate.fake.run import collector_frozen, run_on_fake_tensors
-from estimate.shortcuts.synthesis import NotByBlocks, extend
+from estimate.shortcuts.synthesis import NotByBlocks, extend, extend_at_another_size
 
 # the probes' periods of blocks, tried in turn: the first block is unlike the others, and under
 # FSDP the last too (it gathers no next block's weights ahead), so a sharded model repeats from 3
@@ -109,7 +109,6 @@ def by_blocks(script_path, argv, world_size, gpu, any_batch_size, sharded):
                                                   cut=partial(cut_for_probe, periods_kept=count))
                 if runs[count].blocks is None:
                     raise NotByBlocks("the script created no model from a config")
-        total = runs[periods[0]].blocks[0]
         try:
             events = extend([marked(runs[count]) for count in periods], periods,
                             runs[periods[0]].periods)
@@ -119,16 +118,44 @@ def by_blocks(script_path, argv, world_size, gpu, any_batch_size, sharded):
         break
     else:
         raise failed
-    start, stop = events.index(CREATION), events.index(TRAINING)
-    whole = runs[periods[-1]]
-    whole.trace.events = [event for event in events if event not in (CREATION, TRAINING)]
-    whole.trace.phases = None  # (the memory snapshot runs the whole model: --exact)
-    whole.creation_events = slice(start, stop - 1)
     counted = [runs[count].meter_result for count in periods]
-    whole.meter_result = {
-        "peak_memory_bytes": None, "breakdown_bytes": None,  # (a CPU run's: runs whole)
-        **{name: linear([found[name] for found in counted], periods, whole.periods)
-           for name in ("parameter_count", "parameters_held")}}
-    whole.blocks = (total, [runs[count].blocks[1] for count in periods])
-    whole.cut = None
+    counts = {name: linear([found[name] for found in counted], periods, runs[periods[0]].periods)
+              for name in ("parameter_count", "parameters_held")}
+    # what another micro-batch size needs to be written from its middle probe alone: the two
+    # smaller probes, whose rules the largest has checked (run_by_one_probe)
+    learned = {"periods": list(periods), "counts": counts,
+               "traces": [marked(runs[count]) for count in periods[:2]]}
+    whole = written(runs[periods[-1]], events, counts, [runs[count].blocks[1] for count in periods])
+    whole.learned = learned
     return whole
+
+
+def written(run, events, counts, probes):
+    """`run`, a probe, made the whole model's FakeRun: `events` (marked), the parameter
+    `counts`, the blocks of the `probes` that stood for it."""
+    start, stop = events.index(CREATION), events.index(TRAINING)
+    total = run.blocks[0]
+    run.trace.events = [event for event in events if event not in (CREATION, TRAINING)]
+    run.trace.phases = None  # (the memory snapshot runs the whole model: --exact)
+    run.creation_events = slice(start, stop - 1)
+    run.meter_result = {"peak_memory_bytes": None, "breakdown_bytes": None,  # (a CPU run's: runs whole)
+                        **counts}
+    run.blocks = (total, probes)
+    run.cut = None
+    return run
+
+
+def run_by_one_probe(script_path, argv, world_size, gpu, any_batch_size, learned):
+    """A FakeRun of the whole model as run_by_blocks writes it, from one run of the middle
+    probe at this micro-batch size and what `learned` (a KeptRun's, of the same script and
+    flags at another size) keeps of its probes: their traces, whose rules name each storage by
+    its place, not its bytes (synthesis.extend_at_another_size). NotByBlocks where the probe's
+    events differ at this size from theirs but for their bytes."""
+    periods = learned["periods"]
+    with collector_frozen():
+        run = run_on_fake_tensors(script_path, argv, world_size, gpu, any_batch_size,
+                                  cut=partial(cut_for_probe, periods_kept=periods[1]))
+    if run.blocks is None:
+        raise NotByBlocks("the script created no model from a config")
+    events = extend_at_another_size(learned["traces"], periods, run.periods, marked(run))
+    return written(run, events, dict(learned["counts"]), [run.blocks[1]])

@@ -41,7 +41,7 @@ from estimate.gpu_choices import reads_match
 VARIABLE = "ESTIMATE_CACHE"  # 0: every run made afresh, none kept; or their folder
 SIZE_VARIABLE = "ESTIMATE_CACHE_MB"
 DEFAULT_MEGABYTES = 1024
-FORMAT = 2  # what a kept file holds (KeptRun's fields, this module's layout)
+FORMAT = 3  # what a kept file holds (KeptRun's fields, this module's layout)
 ROOT = Path(__file__).resolve().parents[2]  # the repository
 MODEL_FILES = ("*.json",)  # a --model folder's config (and tokenizer) files: not its weights
 # what picks PyTorch's CPU kernels (and so a CPU estimate's temporaries), the allocator's ways,
@@ -70,6 +70,7 @@ class KeptRun:
     gpu_read: dict = field(default_factory=dict)  # what the run read of its GPU (gpu_choices.ReadGpu)
     size_choices: list = field(default_factory=list)  # choices made by the micro-batch's size
     phases: list = None         # each training event's part of the step (a whole run's only)
+    learned: dict = None        # by blocks: the probes another size is written from (blocks.py)
 
     def to_dict(self):
         return {item.name: getattr(self, item.name) for item in fields(self)}
@@ -81,6 +82,8 @@ class KeptRun:
         kept.events, kept.creation = as_events(kept.events), as_events(kept.creation)
         if kept.unfused_events is not None:
             kept.unfused_events = as_events(kept.unfused_events)
+        if kept.learned is not None:
+            kept.learned["traces"] = [as_events(trace) for trace in kept.learned["traces"]]
         return kept
 
 
@@ -108,7 +111,7 @@ def from_fake_run(run, unfused_run=None, fused=True):
         batch_bytes=run.batch_bytes, blocks=run.blocks and [run.blocks[0], list(run.blocks[1])],
         cpu_figures=cpu, gpu_read=dict(run.gpu_read.read) if run.gpu_read else {},
         size_choices=sorted(set(run.size_choices)),
-        phases=run.training_phases() if run.trace.phases else None)
+        phases=run.training_phases() if run.trace.phases else None, learned=run.learned)
 
 
 def enabled():

@@ -67,7 +67,13 @@ def alike(events, other):
 
 
 SAME = ("script", "emulate_cuda", "creation", "parameter_count", "parameters_held", "offloaded",
-        "compiled", "blocks", "gpu_read")
+        "compiled", "gpu_read")
+
+
+def model_blocks(kept):
+    """The blocks of the model a run stands for where probes of them ran (None: it ran whole),
+    whichever probes ran at its size (shortcuts/blocks.py)."""
+    return kept.blocks and kept.blocks[0]
 
 
 class Family:
@@ -90,7 +96,8 @@ class Family:
                 raise NotBySizes(f"the run chose by its size: {'; '.join(kept.size_choices)}")
             if kept.compiled or kept.unfused_events is not None:
                 raise NotBySizes("compiled: a graph may be compiled again for another size")
-            if any(getattr(kept, name) != getattr(low, name) for name in SAME):
+            if any(getattr(kept, name) != getattr(low, name) for name in SAME) \
+                    or model_blocks(kept) != model_blocks(low):
                 raise NotBySizes("the runs differ in more than their batch")
             if not alike(self.events[size], self.events[self.sizes[0]]):
                 raise NotBySizes(f"micro-batches of {self.sizes[0]} and {size} make other events")

@@ -20,6 +20,7 @@ periods):
 from collections import defaultdict
 
 from estimate.replay.trace import ALLOC, FREE, LABEL, RESIZE
+from estimate.shortcuts import sizes
 
 MOST_MOVES = 64  # events by which extend moves regions' starts in all, each move a learn (ms)
 MOST_TRIES = 512  # places insertions tries in all (a unit may be followed closely by another)
@@ -322,16 +323,17 @@ def renumbered(events):
     return found
 
 
-def extend(traces, periods, total):
-    """The events of `total` periods from `traces` of `periods` (three consecutive counts), or
-    NotByBlocks. The two smaller probes give the rules (each region has a copy more in the
-    middle one), and the largest, written from them, is the check: event for event."""
+def learned(traces, periods):
+    """(the regions of the middle probe, {source class: rule}) from `traces` of `periods` (three
+    consecutive counts), or NotByBlocks. The two smaller probes give the rules (each region has
+    a copy more in the middle one), and the largest, written from them, is the check: event for
+    event (without a third trace, the two smaller probes' rules are learned again, unchecked:
+    extend_at_another_size's, which a check has passed)."""
     shapes = [signatures(events) for events in traces]
     places = insertions(shapes[0], shapes[1])
     middle = regions(shapes[1], places)
-    largest = regions(shapes[2], insertions(shapes[1], shapes[2]))
-    if [(copies + 1, length) for _, copies, length in middle] != [
-            (copies, length) for _, copies, length in largest]:
+    if len(traces) > 2 and [(copies + 1, length) for _, copies, length in middle] != [
+            (copies, length) for _, copies, length in regions(shapes[2], insertions(shapes[1], shapes[2]))]:
         raise NotByBlocks("the regions do not grow by one copy per period")
     # the smallest probe's regions: the middle one's, one copy fewer, before the units inserted
     shifts = [sum(length for _, length in places[:number]) for number in range(len(places))]
@@ -356,9 +358,35 @@ def extend(traces, periods, total):
             if number is None or sum(moved) >= MOST_MOVES:
                 raise
             moved[number] += 1
-    if synthesise(template, rules, periods[2]) != renumbered(traces[2]):  # the check
+    if len(traces) > 2 and synthesise(template, rules, periods[2]) != renumbered(traces[2]):
         raise NotByBlocks("the largest probe is not what the smaller ones predict")
-    return synthesise(template, rules, total)
+    return found, rules
+
+
+def extend(traces, periods, total):
+    """The events of `total` periods from `traces` of `periods` (three consecutive counts), or
+    NotByBlocks (learned)."""
+    found, rules = learned(traces, periods)
+    return synthesise(Probe(traces[1], periods[1], found), rules, total)
+
+
+def extend_at_another_size(traces, periods, total, middle):
+    """The events of `total` periods at another micro-batch size, from `middle`, the middle
+    probe's trace at that size, and the rules `traces` (the two smaller probes of `periods`,
+    at the size they ran, where the largest checked them) give: `middle` must make the same
+    events but for their bytes, each copy of a region alike (else NotByBlocks). The rules name
+    storages by place, not by bytes, so they hold at every size where the events do; the byte
+    counts come from `middle`, a copy's from its region's first."""
+    found, rules = learned(traces, periods)
+    if not sizes.alike(sizes.canonical(middle), sizes.canonical(traces[1])):
+        raise NotByBlocks("the middle probe makes other events at this size")
+    shape = signatures(middle)
+    for start, copies, length in found:
+        unit = shape[start:start + length]
+        if any(shape[start + copy * length:start + (copy + 1) * length] != unit
+               for copy in range(1, copies)):
+            raise NotByBlocks("a region's copies differ at this size")
+    return synthesise(Probe(middle, periods[1], found), rules, total)
 
 
 def movable(sequence, found, number):

@@ -6,7 +6,10 @@ import re
 import pytest
 
 from conftest import script_path
-from estimate.predict import predict
+from estimate.predict import Row, predict, record_of, run_for
+from estimate.question import Question
+from estimate.search.fit import search
+from estimate.search.grid import next_size
 from estimate.shortcuts import blocks, synthesis
 from steps import STEPS
 from support.architecture_matrix import ARCHITECTURES, model_flags, write_model
@@ -98,6 +101,85 @@ def test_a_model_too_short_to_gain_runs_whole(tmp_path):
     folder = deeper(tmp_path / "llama", "Llama", BLOCKS)  # 6 periods, fewer than 12
     record = predict(script_path("04"), [*model_flags(folder, "Llama"), "--device", "cuda"])
     assert record["blocks"] is None
+
+
+@pytest.mark.parametrize("script, switches", [
+    ("04", []), ("07", []),
+    ("10", ["--optimizer", "adamw-8bit", "--checkpointing", "selective", "--loss", "chunked"]),
+], ids=["04", "07", "10-8bit-selective-chunked"])
+def test_another_size_is_written_from_its_middle_probe_alone_to_the_byte(
+        script, switches, tmp_path, probes_from_three_periods, monkeypatch):
+    """A search's second size and its check: the middle probe runs at that size, and the rules
+    the three probes gave at the first size write it out; the same bytes as the whole run. A
+    middle probe whose events differ at that size but for their bytes runs all three probes."""
+    folder = deeper(tmp_path / "llama", "Llama", BLOCKS)
+    world_size = 2 if STEPS[script].sharded else 1
+
+    def row(micro):  # two micro-batches of `micro` samples a process
+        flags = [*model_flags(folder, "Llama"), "--task", "causal-lm", "--device", "cuda",
+                 "--batch-size", str(2 * micro * world_size), "--accum-steps", "2", *switches]
+        return Row(script_path(script), flags, world_size, any_batch_size=True)
+
+    learned = run_for(row(2)).learned
+    ran = []
+    probe = blocks.run_on_fake_tensors
+    monkeypatch.setattr(blocks, "run_on_fake_tensors",
+                        lambda *args, **kwargs: ran.append(kwargs["cut"]) or probe(*args, **kwargs))
+    written = run_for(row(6), learned)
+    assert len(ran) == 1 and written.blocks == [BLOCKS, [learned["periods"][1]]]
+    whole = predict(row(6).script, row(6).argv, world_size=world_size, exact=True)
+    assert {key: record_of(written)[key] for key in COMPARED} == {key: whole[key] for key in COMPARED}
+    if script == "04":  # the middle probe's trace at the first size, an event short
+        learned["traces"][1] = learned["traces"][1][:-1]
+        again = run_for(row(6), learned)
+        assert len(ran) == 1 + 1 + 3 and again.blocks[1] == [2, 3, 4]
+        assert {key: record_of(again)[key] for key in COMPARED} == {
+            key: whole[key] for key in COMPARED}
+
+
+def test_a_search_by_blocks_runs_one_probe_at_each_size_after_its_first(tmp_path, monkeypatch,
+                                                                         probes_from_three_periods):
+    """The search's second size and its check, by blocks: the middle probe alone each, and the
+    size written next to the answer is the whole run's to the byte."""
+    monkeypatch.setenv("ESTIMATE_CACHE", str(tmp_path / "kept"))
+    folder = deeper(tmp_path / "llama", "Llama", BLOCKS)
+    flags = [*model_flags(folder, "Llama"), "--task", "causal-lm", "--device", "cuda"]
+    question = Question(script_path("04"), flags)
+    known = {size: question.estimate(size) for size in (2, 64)}
+    capacity = (known[2][1] + known[64][1]) // 2  # the answer between the runs
+    question = Question(script_path("04"), flags)
+    found = search(question, capacity, known)
+    assert found.problem is None and found.not_by_sizes is None and found.estimated == 1
+    assert [question.runs[size].blocks[1] for size in (2, 64, found.largest)] == [[2, 3, 4], [3], [3]]
+    beyond = next_size(found.largest)
+    written = record_of(question.line.written(beyond))
+    assert found.tried[found.largest][1] <= capacity < written["reserved_bytes"]
+    row = question.row(beyond)
+    exact = predict(row.script, row.argv, any_batch_size=True, exact=True)
+    assert {key: written[key] for key in COMPARED[:-2]} == {key: exact[key] for key in COMPARED[:-2]}
+
+
+def sized_trace(count, size):
+    """Creation, a forward of `count` blocks (an activation of 64 bytes a sample each), their
+    backward in reverse."""
+    events, number = [("alloc", 0, 8, "cpu", "Parameter")], 1
+    for _ in range(count):
+        events.append(("alloc", number, 64 * size, "cpu", "Activation"))
+        number += 1
+    return events + [("free", storage) for storage in range(number - 1, 0, -1)]
+
+
+def test_the_middle_probe_at_another_size_is_written_out_by_the_first_sizes_rules():
+    smaller = [sized_trace(2, 1), sized_trace(3, 1)]
+    written = synthesis.extend_at_another_size(smaller, [2, 3, 4], 9, sized_trace(3, 5))
+    assert synthesis.renumbered(written) == synthesis.renumbered(sized_trace(9, 5))
+    other = sized_trace(3, 5)[:-1]  # an event fewer at this size: refused
+    with pytest.raises(synthesis.NotByBlocks, match="other events"):
+        synthesis.extend_at_another_size(smaller, [2, 3, 4], 9, other)
+    unlike = sized_trace(3, 5)
+    unlike[2] = ("alloc", 2, 65 * 5, "cpu", "Activation")  # one copy's bytes off the others'
+    with pytest.raises(synthesis.NotByBlocks, match="copies differ"):
+        synthesis.extend_at_another_size(smaller, [2, 3, 4], 9, unlike)
 
 
 def test_a_trace_the_rules_do_not_write_is_refused():
