@@ -204,11 +204,11 @@ def failure_message(error, script, argv=()):
             "set ESTIMATE_TRACEBACK=1 to see the whole traceback")
 
 
-def attempt(row):
+def attempt(row, learned=None):
     """(record, None, seconds) or (None, message, seconds): the row's prediction or why it
     failed, and the time it took (None: its run was kept from an earlier estimate, shortcuts/cache.py); a
-    failure never escapes, so other rows still run."""
-    kept, problem, seconds = attempt_run(row)
+    failure never escapes, so other rows still run. `learned`: as run_for's."""
+    kept, problem, seconds = attempt_run(row, learned=learned)
     return (record_of(kept, row.gpu, row.snapshot) if kept else None), problem, seconds
 
 

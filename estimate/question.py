@@ -59,8 +59,18 @@ class Question:
 
     def answer(self, micro):
         """(record, None, seconds) or (None, problem, seconds) at `micro`, as predict.attempt
-        gives them: a failure is an answer, not an exception."""
-        return attempt(self.row(micro))
+        gives them (by blocks, from the middle probe alone where learned_for allows): a failure
+        is an answer, not an exception."""
+        return attempt(self.row(micro), learned=self.learned_for(micro))
+
+    def learned_for(self, micro):
+        """What a run of this question at another size kept of its probes, from which `micro` is
+        written with its middle probe alone (predict.run_for), or None. Sizes below SMALLEST make
+        other events (shortcuts/sizes.py): neither side of it."""
+        if micro < SMALLEST:
+            return None
+        return next((kept.learned for size, kept in self.runs.items()
+                     if kept.learned and size >= SMALLEST), None)
 
     def figures(self, kept):
         """(allocated, reserved) bytes of a run replayed on this question's GPU."""
@@ -91,10 +101,9 @@ class Question:
 
     def estimate(self, micro):
         """(allocated, reserved) at `micro` from its run, made now unless kept (by blocks, from its
-        middle probe alone where a run of another size kept the others: predict.run_for), and
-        noted for later questions; RuntimeError with the problem where it fails."""
-        learned = next((kept.learned for kept in self.runs.values() if kept.learned), None)
-        kept, problem, _ = attempt_run(self.row(micro), learned=learned)
+        middle probe alone where learned_for allows), and noted for later questions;
+        RuntimeError with the problem where it fails."""
+        kept, problem, _ = attempt_run(self.row(micro), learned=self.learned_for(micro))
         if problem:
             raise RuntimeError(problem)
         cache.note_size(self.sizes_key, micro)

@@ -25,9 +25,9 @@ def kept(tmp_path, monkeypatch):
     calls = []
     real = sys.modules["estimate.predict"].run_for
 
-    def run_for(row):
+    def run_for(row, learned=None):
         calls.append(list(row.argv))
-        return real(row)
+        return real(row, learned)
     monkeypatch.setattr(sys.modules["estimate.predict"], "run_for", run_for)
     return calls
 

@@ -108,7 +108,7 @@ def test_a_model_that_fails_on_fake_tensors_is_named_with_what_failed(bert, monk
 ])
 def test_a_search_for_an_asked_batch_stops_at_it(cap, fits_up_to, largest, estimates, monkeypatch):
     """The stack's searches: a line of allocated bytes (100 + 10 a sample), capped at the batch."""
-    def line(row):
+    def line(row, learned=None):
         micro = int(row.argv[row.argv.index("--batch-size") + 1]) // 2  # two micro-batches
         return {"allocated_bytes": 100 + 10 * micro, "reserved_bytes": 100 + 10 * micro}, None, 0.0
     monkeypatch.setattr("estimate.question.attempt", line)
@@ -147,7 +147,7 @@ def two_phase(micro):
 def test_the_search_finds_the_largest_that_fits_from_any_first_guess(capacity, hint, monkeypatch):
     """Whatever the first guess (bytes_per_sample's, right or wrong, or none: one sample), the
     answer is the largest size on the grid whose reserve fits, and the next does not."""
-    def step(row):
+    def step(row, learned=None):
         allocated, reserved = two_phase(int(row.argv[row.argv.index("--batch-size") + 1]) // 2)
         return {"allocated_bytes": allocated, "reserved_bytes": reserved}, None, 0.0
     monkeypatch.setattr("estimate.question.attempt", step)
@@ -164,7 +164,7 @@ def test_the_search_finds_the_largest_that_fits_from_any_first_guess(capacity, h
 def test_a_good_first_guess_saves_an_estimate(hint, most, monkeypatch):
     """The known point and a guess near the answer: the line through them lands on it, and one
     confirmation settles it (one sample as the second point takes one estimate more)."""
-    def line(row):
+    def line(row, learned=None):
         micro = int(row.argv[row.argv.index("--batch-size") + 1]) // 2
         return {"allocated_bytes": 1_000_000 + 700_000 * micro,
                 "reserved_bytes": 1_000_000 + 700_000 * micro}, None, 0.0

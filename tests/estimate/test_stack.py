@@ -50,10 +50,10 @@ def estimated_once():
     first one's prefixes)."""
     made = {}
 
-    def cached(row):
+    def cached(row, learned=None):
         key = (str(row.script), tuple(row.argv), row.world_size, row.gpu)
         if key not in made:
-            made[key] = attempt(row)
+            made[key] = attempt(row, learned)
         return made[key]
     with mock.patch.object(estimate.question, "attempt", cached):
         yield
@@ -498,7 +498,7 @@ def on_stand_ins(reserved, costs, world_size, capacity, batch_size=8, largest=No
     samples a GPU (default: the whole share); (the answer, the lines it reported)."""
     said = []
 
-    def attempt(row):
+    def attempt(row, learned=None):
         return ({"reserved_bytes": reserved(row.argv, row.world_size), "allocated_bytes": 0,
                  "parameter_count": int(costs.parameters), "host_bytes": 0}, None, 0.0)
 
