@@ -17,7 +17,7 @@ from estimate.replay.snapshot import Recorder
 from estimate.replay.snapshot import write as write_snapshot
 from estimate.replay.trace import replay
 from estimate.shortcuts import cache
-from estimate.shortcuts.blocks import run_by_blocks, run_by_one_probe
+from estimate.shortcuts.blocks import run_at_another_size, run_by_blocks
 from estimate.shortcuts.cache import from_fake_run
 from steps import step_of
 
@@ -59,15 +59,15 @@ def run_for(row, learned=None):
     """The fake run a row asks for, as a KeptRun (shortcuts/cache.py): by blocks where the model's
     blocks repeat, else whole; compiled, with its unfused bound where asked. `learned`: what a
     run of the same row at another micro-batch size kept of its probes (KeptRun.learned): its
-    middle probe alone is then run at this size, where its events allow."""
+    two smaller probes alone are then run at this size, where their events allow."""
     script_path, argv, world_size, gpu = row.script, row.argv, row.world_size, row.gpu
     exact = row.exact or os.environ.get(EXACT_VARIABLE) == "1"
     run, snapshot, any_batch_size = None, row.snapshot, row.any_batch_size
     by_blocks = wants_cuda_emulation(argv) and not (exact or snapshot or compiles(script_path, argv))
     if by_blocks and learned:
-        try:  # one probe, the rules of another size's (shortcuts/blocks.py)
-            run = run_by_one_probe(script_path, argv, world_size, gpu, any_batch_size, learned)
-        except Exception:  # noqa: BLE001 - NotByBlocks, or the probe's failure: all the probes
+        try:  # two probes, the rules of another size's (shortcuts/blocks.py)
+            run = run_at_another_size(script_path, argv, world_size, gpu, any_batch_size, learned)
+        except Exception:  # noqa: BLE001 - NotByBlocks, or a probe's failure: all the probes
             if os.environ.get("ESTIMATE_TRACEBACK"):
                 traceback.print_exc()
     if by_blocks and run is None:

@@ -59,13 +59,13 @@ class Question:
 
     def answer(self, micro):
         """(record, None, seconds) or (None, problem, seconds) at `micro`, as predict.attempt
-        gives them (by blocks, from the middle probe alone where learned_for allows): a failure
+        gives them (by blocks, from two probes where learned_for allows): a failure
         is an answer, not an exception."""
         return attempt(self.row(micro), learned=self.learned_for(micro))
 
     def learned_for(self, micro):
         """What a run of this question at another size kept of its probes, from which `micro` is
-        written with its middle probe alone (predict.run_for), or None. Sizes below SMALLEST make
+        written with its two smaller probes alone (predict.run_for), or None. Sizes below SMALLEST make
         other events (shortcuts/sizes.py): neither side of it."""
         if micro < SMALLEST:
             return None
@@ -100,8 +100,8 @@ class Question:
         return earlier
 
     def estimate(self, micro):
-        """(allocated, reserved) at `micro` from its run, made now unless kept (by blocks, from its
-        middle probe alone where learned_for allows), and noted for later questions;
+        """(allocated, reserved) at `micro` from its run, made now unless kept (by blocks, from two
+        probes where learned_for allows), and noted for later questions;
         RuntimeError with the problem where it fails."""
         kept, problem, _ = attempt_run(self.row(micro), learned=self.learned_for(micro))
         if problem:

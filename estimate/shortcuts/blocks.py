@@ -121,8 +121,8 @@ def by_blocks(script_path, argv, world_size, gpu, any_batch_size, sharded):
     counted = [runs[count].meter_result for count in periods]
     counts = {name: linear([found[name] for found in counted], periods, runs[periods[0]].periods)
               for name in ("parameter_count", "parameters_held")}
-    # what another micro-batch size needs to be written from its middle probe alone: the two
-    # smaller probes, whose rules the largest has checked (run_by_one_probe)
+    # what another micro-batch size needs to be written from its two smaller probes alone:
+    # theirs here, whose rules the largest has checked (run_at_another_size)
     learned = {"periods": list(periods), "counts": counts,
                "traces": [marked(runs[count]) for count in periods[:2]]}
     whole = written(runs[periods[-1]], events, counts, [runs[count].blocks[1] for count in periods])
@@ -145,17 +145,21 @@ def written(run, events, counts, probes):
     return run
 
 
-def run_by_one_probe(script_path, argv, world_size, gpu, any_batch_size, learned):
-    """A FakeRun of the whole model as run_by_blocks writes it, from one run of the middle
-    probe at this micro-batch size and what `learned` (a KeptRun's, of the same script and
+def run_at_another_size(script_path, argv, world_size, gpu, any_batch_size, learned):
+    """A FakeRun of the whole model as run_by_blocks writes it, from runs of the two smaller
+    probes at this micro-batch size and what `learned` (a KeptRun's, of the same script and
     flags at another size) keeps of its probes: their traces, whose rules name each storage by
-    its place, not its bytes (synthesis.extend_at_another_size). NotByBlocks where the probe's
-    events differ at this size from theirs but for their bytes."""
+    its place, not its bytes, and write the smaller probe from the middle one here as the check
+    (synthesis.extend_at_another_size); NotByBlocks where they do not hold at this size."""
     periods = learned["periods"]
+    runs = []
     with collector_frozen():
-        run = run_on_fake_tensors(script_path, argv, world_size, gpu, any_batch_size,
-                                  cut=partial(cut_for_probe, periods_kept=periods[1]))
-    if run.blocks is None:
-        raise NotByBlocks("the script created no model from a config")
-    events = extend_at_another_size(learned["traces"], periods, run.periods, marked(run))
-    return written(run, events, dict(learned["counts"]), [run.blocks[1]])
+        for count in periods[:2]:
+            runs.append(run_on_fake_tensors(script_path, argv, world_size, gpu, any_batch_size,
+                                            cut=partial(cut_for_probe, periods_kept=count)))
+            if runs[-1].blocks is None:
+                raise NotByBlocks("the script created no model from a config")
+    smallest, middle = runs
+    events = extend_at_another_size(learned["traces"], periods, middle.periods, marked(smallest),
+                                    marked(middle))
+    return written(middle, events, dict(learned["counts"]), [run.blocks[1] for run in runs])

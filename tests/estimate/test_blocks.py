@@ -107,11 +107,11 @@ def test_a_model_too_short_to_gain_runs_whole(tmp_path):
     ("04", []), ("07", []),
     ("10", ["--optimizer", "adamw-8bit", "--checkpointing", "selective", "--loss", "chunked"]),
 ], ids=["04", "07", "10-8bit-selective-chunked"])
-def test_another_size_is_written_from_its_middle_probe_alone_to_the_byte(
+def test_another_size_is_written_from_its_two_smaller_probes_to_the_byte(
         script, switches, tmp_path, probes_from_three_periods, monkeypatch):
-    """A search's second size and its check: the middle probe runs at that size, and the rules
-    the three probes gave at the first size write it out; the same bytes as the whole run. A
-    middle probe whose events differ at that size but for their bytes runs all three probes."""
+    """A search's later sizes: the two smaller probes run at that size, and the rules the three
+    probes gave at the first size write it out; the same bytes as the whole run. Where the
+    rules do not hold at that size, all three probes run."""
     folder = deeper(tmp_path / "llama", "Llama", BLOCKS)
     world_size = 2 if STEPS[script].sharded else 1
 
@@ -126,21 +126,21 @@ def test_another_size_is_written_from_its_middle_probe_alone_to_the_byte(
     monkeypatch.setattr(blocks, "run_on_fake_tensors",
                         lambda *args, **kwargs: ran.append(kwargs["cut"]) or probe(*args, **kwargs))
     written = run_for(row(6), learned)
-    assert len(ran) == 1 and written.blocks == [BLOCKS, [learned["periods"][1]]]
+    assert len(ran) == 2 and written.blocks == [BLOCKS, learned["periods"][:2]]
     whole = predict(row(6).script, row(6).argv, world_size=world_size, exact=True)
     assert {key: record_of(written)[key] for key in COMPARED} == {key: whole[key] for key in COMPARED}
     if script == "04":  # the middle probe's trace at the first size, an event short
         learned["traces"][1] = learned["traces"][1][:-1]
         again = run_for(row(6), learned)
-        assert len(ran) == 1 + 1 + 3 and again.blocks[1] == [2, 3, 4]
+        assert len(ran) == 2 + 2 + 3 and again.blocks[1] == [2, 3, 4]
         assert {key: record_of(again)[key] for key in COMPARED} == {
             key: whole[key] for key in COMPARED}
 
 
-def test_a_search_by_blocks_runs_one_probe_at_each_size_after_its_first(tmp_path, monkeypatch,
-                                                                         probes_from_three_periods):
-    """The search's second size and its check, by blocks: the middle probe alone each, and the
-    size written next to the answer is the whole run's to the byte."""
+def test_a_search_by_blocks_runs_two_probes_at_each_size_after_its_first(tmp_path, monkeypatch,
+                                                                          probes_from_three_periods):
+    """The search's second size and its check, by blocks: the two smaller probes alone each,
+    and the size written next to the answer is the whole run's to the byte."""
     monkeypatch.setenv("ESTIMATE_CACHE", str(tmp_path / "kept"))
     folder = deeper(tmp_path / "llama", "Llama", BLOCKS)
     flags = [*model_flags(folder, "Llama"), "--task", "causal-lm", "--device", "cuda"]
@@ -150,7 +150,7 @@ def test_a_search_by_blocks_runs_one_probe_at_each_size_after_its_first(tmp_path
     question = Question(script_path("04"), flags)
     found = search(question, capacity, known)
     assert found.problem is None and found.not_by_sizes is None and found.estimated == 1
-    assert [question.runs[size].blocks[1] for size in (2, 64, found.largest)] == [[2, 3, 4], [3], [3]]
+    assert [question.runs[size].blocks[1] for size in (2, 64, found.largest)] == [[2, 3, 4], [2, 3], [2, 3]]
     beyond = next_size(found.largest)
     written = record_of(question.line.written(beyond))
     assert found.tried[found.largest][1] <= capacity < written["reserved_bytes"]
@@ -159,27 +159,44 @@ def test_a_search_by_blocks_runs_one_probe_at_each_size_after_its_first(tmp_path
     assert {key: written[key] for key in COMPARED[:-2]} == {key: exact[key] for key in COMPARED[:-2]}
 
 
-def sized_trace(count, size):
+def sized_trace(count, size, tally=0):
     """Creation, a forward of `count` blocks (an activation of 64 bytes a sample each), their
-    backward in reverse."""
+    backward in reverse; with `tally`, a storage of `tally` bytes a block and a sample, in
+    units of 64 bytes at least (a tally of the blocks' outputs, rounded as MemTracker does)."""
     events, number = [("alloc", 0, 8, "cpu", "Parameter")], 1
+    if tally:
+        events.append(("alloc", number, max(64, tally * count * size), "cpu", "Temporary"))
+        number += 1
     for _ in range(count):
         events.append(("alloc", number, 64 * size, "cpu", "Activation"))
         number += 1
     return events + [("free", storage) for storage in range(number - 1, 0, -1)]
 
 
-def test_the_middle_probe_at_another_size_is_written_out_by_the_first_sizes_rules():
+def test_another_size_is_written_from_its_two_smaller_probes_by_the_first_sizes_rules():
     smaller = [sized_trace(2, 1), sized_trace(3, 1)]
-    written = synthesis.extend_at_another_size(smaller, [2, 3, 4], 9, sized_trace(3, 5))
+    written = synthesis.extend_at_another_size(smaller, [2, 3, 4], 9, sized_trace(2, 5),
+                                               sized_trace(3, 5))
     assert synthesis.renumbered(written) == synthesis.renumbered(sized_trace(9, 5))
     other = sized_trace(3, 5)[:-1]  # an event fewer at this size: refused
     with pytest.raises(synthesis.NotByBlocks, match="other events"):
-        synthesis.extend_at_another_size(smaller, [2, 3, 4], 9, other)
+        synthesis.extend_at_another_size(smaller, [2, 3, 4], 9, sized_trace(2, 5), other)
     unlike = sized_trace(3, 5)
     unlike[2] = ("alloc", 2, 65 * 5, "cpu", "Activation")  # one copy's bytes off the others'
     with pytest.raises(synthesis.NotByBlocks, match="copies differ"):
-        synthesis.extend_at_another_size(smaller, [2, 3, 4], 9, unlike)
+        synthesis.extend_at_another_size(smaller, [2, 3, 4], 9, sized_trace(2, 5), unlike)
+
+
+def test_bytes_that_grow_with_the_blocks_only_past_the_first_size_are_caught_at_the_second():
+    """A storage of 7 bytes a block and a sample, 64 at least: at one sample the probes of 2, 3
+    and 4 blocks hold 64 bytes each (the rules hold, checked), at 5 samples 70 and 105. The
+    middle probe alone would write 105 bytes for 9 blocks (315); the smaller probe is the check."""
+    three = [sized_trace(count, 1, tally=7) for count in (2, 3, 4)]
+    assert synthesis.renumbered(synthesis.extend(three, [2, 3, 4], 9)) == synthesis.renumbered(
+        sized_trace(9, 1, tally=7))
+    with pytest.raises(synthesis.NotByBlocks, match="smallest probe"):
+        synthesis.extend_at_another_size(three[:2], [2, 3, 4], 9, sized_trace(2, 5, tally=7),
+                                         sized_trace(3, 5, tally=7))
 
 
 def test_a_trace_the_rules_do_not_write_is_refused():
