@@ -59,7 +59,7 @@ def test_the_estimate_prints_no_library_warning(tmp_path):
     compiling with a checkpointing policy (05d --compile), the search and the stack."""
     folder = write_model(tmp_path / "llama", "Llama")
     command = [sys.executable, "-m", "estimate", *model_flags(folder, "Llama"), "--task",
-               "causal-lm", "--steps", "04", "05i", "07b", "09", "--gpu-memory", "1GB",
+               "causal-lm", "--steps", "04_grad_accum", "05i", "07b", "09", "--gpu-memory", "1GB",
                "--results-dir", str(tmp_path)]
     compiled = [sys.executable, "05d_selective_checkpointing.py", *model_flags(folder, "Llama"),
                 "--task", "causal-lm", "--compile", "--estimate", "--results-dir", str(tmp_path)]
