@@ -378,7 +378,8 @@ def extend_at_another_size(traces, periods, total, smallest, middle):
     but for their bytes, each copy of a region alike; the byte counts come from `middle`, a
     copy's from its region's first. The check at this size: `smallest` must be what the rules
     write from `middle` with a period fewer, event for event (a byte count that grows with the
-    periods and the size together, hidden at the first size, shows there). Else NotByBlocks."""
+    periods and the size together, hidden at the first size by rounding, shows there unless the
+    rounding hides it in both probes here too). Else NotByBlocks."""
     found, rules = learned(traces, periods)
     if not sizes.alike(sizes.canonical(middle), sizes.canonical(traces[1])):
         raise NotByBlocks("the middle probe makes other events at this size")
