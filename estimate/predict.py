@@ -64,16 +64,18 @@ def run_for(row, learned=None):
     exact = row.exact or os.environ.get(EXACT_VARIABLE) == "1"
     run, snapshot, any_batch_size = None, row.snapshot, row.any_batch_size
     by_blocks = wants_cuda_emulation(argv) and not (exact or snapshot or compiles(script_path, argv))
+    made = None  # the probes run_at_another_size ran, where its rules did not hold
     if by_blocks and learned:
         try:  # two probes, the rules of another size's (shortcuts/blocks.py)
             run = run_at_another_size(script_path, argv, world_size, gpu, any_batch_size, learned)
-        except Exception:  # noqa: BLE001 - NotByBlocks, or a probe's failure: all the probes
+        except Exception as problem:  # noqa: BLE001 - NotByBlocks, or a probe's failure: all the probes
+            made = getattr(problem, "probes", None)
             if os.environ.get("ESTIMATE_TRACEBACK"):
                 traceback.print_exc()
     if by_blocks and run is None:
         try:  # from runs of a few periods of the model's blocks (shortcuts/blocks.py), where they repeat
             run = run_by_blocks(script_path, argv, world_size, gpu, any_batch_size,
-                                sharded=shards(script_path, argv, world_size))
+                                sharded=shards(script_path, argv, world_size), made=made)
         except Exception:  # noqa: BLE001 - NotByBlocks, or a probe's failure: run it whole
             if os.environ.get("ESTIMATE_TRACEBACK"):
                 traceback.print_exc()

@@ -89,18 +89,19 @@ def marked(run):
     return [*events[:start], CREATION, *events[start:stop], TRAINING, *events[stop:]]
 
 
-def run_by_blocks(script_path, argv, world_size, gpu, any_batch_size, sharded=False):
+def run_by_blocks(script_path, argv, world_size, gpu, any_batch_size, sharded=False, made=None):
     """A FakeRun of the whole model, written from runs of the model cut to a few periods of its
     blocks (its trace, creation's part of it and the parameter counts); NotByBlocks where the
     model does not repeat so, or is too short to gain. `sharded`: the script shards the model
-    (FSDP), whose probes start at 3 periods."""
+    (FSDP), whose probes start at 3 periods. `made`: {periods: FakeRun} of probes already run
+    (run_at_another_size's, where its rules did not hold), not run again."""
     with collector_frozen():  # once for all the probes, not once each
-        return by_blocks(script_path, argv, world_size, gpu, any_batch_size, sharded)
+        return by_blocks(script_path, argv, world_size, gpu, any_batch_size, sharded, made)
 
 
-def by_blocks(script_path, argv, world_size, gpu, any_batch_size, sharded):
+def by_blocks(script_path, argv, world_size, gpu, any_batch_size, sharded, made=None):
     """run_by_blocks' work, the garbage collector frozen."""
-    runs, failed = {}, None
+    runs, failed = dict(made or {}), None
     for periods in SHARDED_PROBES if sharded else PROBES:
         for count in periods:
             if count not in runs:
@@ -150,7 +151,8 @@ def run_at_another_size(script_path, argv, world_size, gpu, any_batch_size, lear
     probes at this micro-batch size and what `learned` (a KeptRun's, of the same script and
     flags at another size) keeps of its probes: their traces, whose rules name each storage by
     its place, not its bytes, and write the smaller probe from the middle one here as the check
-    (synthesis.extend_at_another_size); NotByBlocks where they do not hold at this size."""
+    (synthesis.extend_at_another_size); NotByBlocks where they do not hold at this size, with
+    the two probes run (`probes`: {periods: FakeRun})."""
     periods = learned["periods"]
     runs = []
     with collector_frozen():
@@ -160,6 +162,10 @@ def run_at_another_size(script_path, argv, world_size, gpu, any_batch_size, lear
             if runs[-1].blocks is None:
                 raise NotByBlocks("the script created no model from a config")
     smallest, middle = runs
-    events = extend_at_another_size(learned["traces"], periods, middle.periods, marked(smallest),
-                                    marked(middle))
+    try:
+        events = extend_at_another_size(learned["traces"], periods, middle.periods,
+                                        marked(smallest), marked(middle))
+    except NotByBlocks as problem:
+        problem.probes = dict(zip(periods, runs))  # for run_by_blocks, which runs the third
+        raise
     return written(middle, events, dict(learned["counts"]), [run.blocks[1] for run in runs])

@@ -111,7 +111,7 @@ def test_another_size_is_written_from_its_two_smaller_probes_to_the_byte(
         script, switches, tmp_path, probes_from_three_periods, monkeypatch):
     """A search's later sizes: the two smaller probes run at that size, and the rules the three
     probes gave at the first size write it out; the same bytes as the whole run. Where the
-    rules do not hold at that size, all three probes run."""
+    rules do not hold at that size, the third probe runs too."""
     folder = deeper(tmp_path / "llama", "Llama", BLOCKS)
     world_size = 2 if STEPS[script].sharded else 1
 
@@ -132,7 +132,7 @@ def test_another_size_is_written_from_its_two_smaller_probes_to_the_byte(
     if script == "04":  # the middle probe's trace at the first size, an event short
         learned["traces"][1] = learned["traces"][1][:-1]
         again = run_for(row(6), learned)
-        assert len(ran) == 2 + 2 + 3 and again.blocks[1] == [2, 3, 4]
+        assert len(ran) == 2 + 2 + 1 and again.blocks[1] == [2, 3, 4]  # (the two not run again)
         assert {key: record_of(again)[key] for key in COMPARED} == {
             key: whole[key] for key in COMPARED}
 
