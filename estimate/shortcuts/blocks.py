@@ -18,6 +18,7 @@ import copy
 from functools import partial
 
 from estimate.fake.run import collector_frozen, run_on_fake_tensors
+from estimate.shortcuts.sizes import canonical
 from estimate.shortcuts.synthesis import NotByBlocks, extend, extend_at_another_size
 
 # the probes' periods of blocks, tried in turn: the first block is unlike the others, and under
@@ -84,9 +85,12 @@ def linear(values, periods, total):
 
 
 def marked(run):
-    """A probe's events with CREATION and TRAINING where model creation's events start and end."""
+    """A probe's events with CREATION and TRAINING where model creation's events start and end,
+    each run of consecutive frees in the order of its storages (sizes.canonical: the same
+    replay in any order; autocast frees its cache of cast weights in the order of a hash table
+    of their addresses, which no count of blocks repeats)."""
     events, start, stop = run.trace.events, run.creation_events.start, run.creation_events.stop
-    return [*events[:start], CREATION, *events[start:stop], TRAINING, *events[stop:]]
+    return canonical([*events[:start], CREATION, *events[start:stop], TRAINING, *events[stop:]])
 
 
 def run_by_blocks(script_path, argv, world_size, gpu, any_batch_size, sharded=False, made=None):

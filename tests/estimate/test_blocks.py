@@ -2,6 +2,7 @@
 a model's blocks written out to all of them give the bytes of the run of the whole model, which
 --exact runs."""
 import re
+from types import SimpleNamespace
 
 import pytest
 
@@ -57,14 +58,15 @@ def test_every_architecture_is_estimated_by_blocks_to_the_byte(name, tmp_path,
     assert_by_blocks_is_whole("04", flags, 1, count, period)
 
 
-# a script of each kind of trace: every micro-batch at once, the step in backward, recomputation,
-# offload, the host's optimizer (its gradients sent after backward, or as made), the chunked
-# loss, the fused loss (its gradients made in forward), 4 bits, FSDP (plain and checkpointed),
-# and the runs that stay whole; the others (02, 03, 04b, 05, 05a, 06, 07a, 08) change dtypes or an
-# optimizer's state within these traces' shapes, and were checked on Llama-3.2-1B (the note)
+# a script of each kind of trace: every micro-batch at once, float16 autocast (its cache of cast
+# weights freed in no order of the blocks'), the step in backward, recomputation, offload, the
+# host's optimizer (its gradients sent after backward, or as made), the chunked loss, the fused
+# loss (its gradients made in forward), 4 bits, FSDP (plain and checkpointed), and the runs that
+# stay whole; the others (03, 04b, 05, 05a, 06, 07a, 08) change dtypes or an optimizer's state
+# within these traces' shapes, and were checked on Llama-3.2-1B (the note)
 @pytest.mark.parametrize("script, switches", [
-    *((step, []) for step in ("01", "04a", "05b", "05c", "05d", "05e", "05f", "05g", "05h", "05i",
-                              "07", "07b", "09")),
+    *((step, []) for step in ("01", "02", "04a", "05b", "05c", "05d", "05e", "05f", "05g", "05h",
+                              "05i", "07", "07b", "09")),
     ("10", ["--accum-steps", "4", "--optimizer", "adamw-8bit", "--checkpointing", "selective",
             "--loss", "chunked"]),
     ("10", ["--optimizer-on-host", "--lora-rank", "4", "--qlora"]),
@@ -197,6 +199,28 @@ def test_bytes_that_grow_with_the_blocks_only_past_the_first_size_are_caught_at_
     with pytest.raises(synthesis.NotByBlocks, match="smallest probe"):
         synthesis.extend_at_another_size(three[:2], [2, 3, 4], 9, sized_trace(2, 5, tally=7),
                                          sized_trace(3, 5, tally=7))
+
+
+def test_frees_in_the_order_of_a_hash_table_are_written_in_the_order_of_their_storages():
+    """float16 autocast, in small: each block's forward casts its two weights (kept in a cache),
+    and leaving autocast frees the cache in the order of a hash table of their addresses, which
+    no count of blocks repeats. As run, no rule names the storages alike; each run of frees in
+    the order of its storages (the same replay), the probes write the whole model."""
+    def trace(count):
+        events, number = [("alloc", 0, 8, "cpu", "Parameter")], 1
+        for _ in range(count):
+            events += [("alloc", number, 16, "cpu", "Autocast"), ("alloc", number + 1, 32, "cpu", "Autocast")]
+            number += 2
+        cast = sorted(range(1, number), key=lambda storage: storage * 2654435761 % 2**32)
+        return events + [("free", storage) for storage in cast] + [("alloc", number, 4, "cpu", "Loss")]
+
+    def probe(count):
+        return SimpleNamespace(trace=SimpleNamespace(events=trace(count)), creation_events=slice(0, 1))
+
+    with pytest.raises(synthesis.NotByBlocks):
+        synthesis.extend([trace(count) for count in (2, 3, 4)], [2, 3, 4], 9)
+    written = synthesis.extend([blocks.marked(probe(count)) for count in (2, 3, 4)], [2, 3, 4], 9)
+    assert synthesis.renumbered(written) == synthesis.renumbered(blocks.marked(probe(9)))
 
 
 def test_a_trace_the_rules_do_not_write_is_refused():
