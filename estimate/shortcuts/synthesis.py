@@ -358,7 +358,7 @@ def learned(traces, periods):
             if number is None or sum(moved) >= MOST_MOVES:
                 raise
             moved[number] += 1
-    if len(traces) > 2 and synthesise(template, rules, periods[2]) != renumbered(traces[2]):
+    if len(traces) > 2 and synthesise(template, rules, periods[2]) != renumbered(traces[2]):  # check
         raise NotByBlocks("the largest probe is not what the smaller ones predict")
     return found, rules
 
