@@ -33,8 +33,9 @@ def run_one(step, flags, results_dir):
     import torch
     from torch._dynamo.utils import counters
 
+    from common.breakdown import fold_breakdown
     from common.compiled_memory import AllocationTracker
-    from common.memory import compile_seconds, device_snapshot, fold_breakdown
+    from common.memory import compile_seconds, device_snapshot
     from steps import import_script
 
     script = import_script(next(ROOT.glob(f"{step}_*.py")))

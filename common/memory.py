@@ -25,6 +25,7 @@ from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
 from torch.distributed.fsdp import FSDPModule
 
+from common.breakdown import BREAKDOWN_KEYS, fold_breakdown, model_state_bytes_per_parameter
 from common.gpu_support import check_bfloat16
 
 # host memory, where a script keeps what it offloads (05e, 05f); --estimate puts it apart from
@@ -34,29 +35,6 @@ HOST = torch.device("cpu")
 TRACKED_STEPS = 2  # optimizer steps taken under the tracker
 MAX_TRACKED_STEPS = 10  # steps tracked at most, while a gradient scaler skips optimizer steps
 
-# MemTracker's categories, folded into the five this project reports
-CATEGORIES = {
-    "Parameter": "parameters", "Buffer": "parameters", "Gradient": "gradients",
-    "Optstate": "optimizer_state", "Activation": "activations",
-    "Temp": "temporaries", "Other": "temporaries",
-    # FSDPMemTracker's (steps 07-09): shards and gathered copies, and the collectives' buffers
-    "Sharded Param": "parameters", "Unsharded Param": "parameters",
-    "Sharded Grad": "gradients", "Unsharded Grad": "gradients", "OptState": "optimizer_state",
-    "Inputs": "activations", "All Gather": "temporaries", "Reduce Scatter": "temporaries",
-}
-BREAKDOWN_KEYS = ("parameters", "gradients", "optimizer_state", "activations", "temporaries")
-MODEL_STATE_KEYS = BREAKDOWN_KEYS[:3]  # the model's state, what "bytes per parameter" counts
-
-
-def model_state_bytes_per_parameter(breakdown, parameters_held):
-    """Parameters (with the model's buffers), gradients and optimizer state at the peak, in bytes
-    per parameter a process holds: all of the model's, or its 1/N share when N processes shard
-    it. So float32 Adam holds 16 once all its gradients exist (4 + 4 + 8), whatever N; gathered
-    copies of sharded weights add to it. None without parameters."""
-    if not parameters_held:
-        return None
-    return sum(breakdown[key] for key in MODEL_STATE_KEYS) / parameters_held
-
 
 def device_snapshot(snapshot, device):
     """The part of a MemTracker snapshot that belongs to `device` (all zeros if it saw none)."""
@@ -64,14 +42,6 @@ def device_snapshot(snapshot, device):
         if dev.type == device.type:
             return stats
     return {}
-
-
-def fold_breakdown(stats):
-    breakdown = dict.fromkeys(BREAKDOWN_KEYS, 0)
-    for name, nbytes in stats.items():
-        if name in CATEGORIES:
-            breakdown[CATEGORIES[name]] += nbytes
-    return breakdown
 
 
 class Snapshot(dict):

@@ -27,7 +27,14 @@ a script's own --estimate, WORLD_SIZE if not given, else 1, as `python 07_fsdp.p
 Both write results/estimate.json (--results-dir): one record per script and setting, updated
 in place, so a single script's estimate keeps the others' records.
 """
-from estimate.check import estimate
-from estimate.predict import predict
+__all__ = ["estimate"]
 
-__all__ = ["estimate", "predict"]
+
+def __getattr__(name):
+    """`estimate`, imported when first asked for (estimate.predict is a module; its predict(), the
+    prediction alone): `python -m estimate` answering from kept runs imports neither fake tensors
+    nor a memory tracker."""
+    if name == "estimate":
+        from estimate.check import estimate
+        return estimate
+    raise AttributeError(f"module 'estimate' has no attribute {name!r}")

@@ -24,8 +24,8 @@ from pathlib import Path
 import torch
 
 from common.summary import model_state_words, run_words
-from estimate.fake.run import wants_cuda_emulation, world_size_from_environment
-from estimate.gpu_choices import DEFAULT_GPU, GPUS, gpu_problem, nearest_gpu
+from estimate.fake.run import world_size_from_environment
+from estimate.gpu_choices import DEFAULT_GPU, GPUS, gpu_problem, nearest_gpu, wants_cuda_emulation
 from estimate.length_growth import asked_length
 from estimate.length_growth import report as length_report
 from estimate.output import took_text

@@ -22,6 +22,7 @@ from estimate.search import longest, walk
 from estimate.search.answers import adapters_text, chain_text, fit_table, stack_text
 from estimate.search.costs import Costs
 from estimate.search.fit import search_all, without_batch_flags
+from estimate.shortcuts import cache
 from estimate.stack import COST
 from steps import STEPS, UnknownStep, select, step_of
 
@@ -362,21 +363,36 @@ def check_the_batch_splits(args, flags):
                f"{args.stack_world_size}, or fewer GPUs")
 
 
+def model_parameters(combined, base, world_size, preset, config):
+    """The model's parameter count, for the cost model and the floors: counted on the meta device
+    the first time (the fake runs' machinery then imported here, before the workers fork, which
+    share it), then kept beside the runs (shortcuts/cache.py): a question asked again, whose
+    runs are kept, imports neither (a worker that has a run to make imports it itself)."""
+    name = cache.key(Row(combined, base, world_size), False)
+    parameters = cache.parameters_kept(name) if name else None
+    if parameters is None:
+        import torch
+
+        import estimate.fake.run  # noqa: F401 - imported once here, shared by the forked workers
+        from common.model import model_class
+        with torch.device("meta"):  # in no memory
+            parameters = sum(tensor.numel() for tensor in
+                             model_class(preset)._from_config(config).parameters())
+        cache.note_parameters(name, parameters)
+    return parameters
+
+
 def the_stack(args, flags, show=print):
     """The stack (estimate/stack.py) for the asked batch in --gpu-memory: its answer and command
     given to `show` (to print) the moment they are known; returns the chain and its costs, and
     the adapters' line that ends the answer, as printed."""
-    import torch
-
-    import estimate.fake.run  # noqa: F401 - imported once here, shared by the forked workers
-    from common.model import model_class, model_config
+    from common.model import model_config
     combined = STEPS["10"].path
     preset = stack_preset(args, flags)
     config = model_config(preset)
-    with torch.device("meta"):  # the parameter count for the cost model, in no memory
-        parameters = sum(tensor.numel() for tensor in model_class(preset)._from_config(config).parameters())
     batch_size = args.batch_size or preset.batch_size
     base = ["--preset", args.preset, "--device", args.device, *without_batch_flags(flags)]
+    parameters = model_parameters(combined, base, args.stack_world_size, preset, config)
     shown = [*(["--preset", args.preset] if args.model is None else []), *without_batch_flags(flags)]
     tokens = batch_size * (preset.max_length or (preset.image_size // 16) ** 2 or 1)
     tower = getattr(config, "vision_config", config)  # CLIP: its image tower trains

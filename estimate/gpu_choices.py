@@ -63,6 +63,7 @@ whose cached blocks the real allocator keeps apart, and an offloaded shard is co
 before it is gathered (here the copy is a no-op); the model treats it all as one stream and no
 copy, so for these steps the reserved figure leans low.
 """
+import argparse
 import functools
 from dataclasses import dataclass
 
@@ -125,6 +126,14 @@ def nearest_gpu(capability):
     if not below:
         return min(GPUS, key=lambda key: GPUS[key].capability)
     return max(below, key=lambda key: GPUS[key].capability)
+
+
+def wants_cuda_emulation(argv):
+    """--device cpu asks for the CPU itself (no GPU emulation); anything else predicts a GPU."""
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--device", default="auto")
+    known, _ = parser.parse_known_args(argv)
+    return known.device != "cpu"
 
 
 def gpu_problem(name, emulated=True):

@@ -5,19 +5,14 @@ import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
-from common.memory import model_state_bytes_per_parameter
-from estimate.fake.run import (
-    EstimateError,
-    run_on_fake_tensors,
-    wants_cuda_emulation,
-)
-from estimate.gpu_choices import DEFAULT_GPU, GPUS, HOST_CATEGORIES_WHEN_OFFLOADED
+from common.breakdown import model_state_bytes_per_parameter
+from estimate.contract import EstimateError
+from estimate.gpu_choices import DEFAULT_GPU, GPUS, HOST_CATEGORIES_WHEN_OFFLOADED, wants_cuda_emulation
 from estimate.records import size_text
 from estimate.replay.snapshot import Recorder
 from estimate.replay.snapshot import write as write_snapshot
 from estimate.replay.trace import replay
 from estimate.shortcuts import cache
-from estimate.shortcuts.blocks import run_at_another_size, run_by_blocks
 from estimate.shortcuts.cache import from_fake_run
 from steps import step_of
 
@@ -60,6 +55,9 @@ def run_for(row, learned=None):
     blocks repeat, else whole; compiled, with its unfused bound where asked. `learned`: what a
     run of the same row at another micro-batch size kept of its probes (KeptRun.learned): its
     two smaller probes alone are then run at this size, where their events allow."""
+    # (imported here, where a run is made: a kept run's answer needs no fake tensors, no tracker)
+    from estimate.fake.run import run_on_fake_tensors
+    from estimate.shortcuts.blocks import run_at_another_size, run_by_blocks
     script_path, argv, world_size, gpu = row.script, row.argv, row.world_size, row.gpu
     exact = row.exact or os.environ.get(EXACT_VARIABLE) == "1"
     run, snapshot, any_batch_size = None, row.snapshot, row.any_batch_size

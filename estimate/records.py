@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from common.atomic_write import write_json_atomically
-from common.memory import BREAKDOWN_KEYS
+from common.breakdown import BREAKDOWN_KEYS
 from steps import with_parent
 
 ESTIMATE_FILE = "estimate.json"

@@ -13,7 +13,7 @@ import textwrap
 from matplotlib.figure import Figure
 
 from common.atomic_write import atomic_path
-from common.memory import BREAKDOWN_KEYS
+from common.breakdown import BREAKDOWN_KEYS
 from estimate.records import GB, MIB
 from tour.records import STACK_SUFFIX, in_units
 

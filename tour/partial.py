@@ -31,7 +31,7 @@ from itertools import count
 from pathlib import Path
 
 from common.atomic_write import atomic_path, write_json_atomically, write_text_atomically
-from common.memory import BREAKDOWN_KEYS
+from common.breakdown import BREAKDOWN_KEYS
 from estimate.records import ESTIMATE_FILE, MIB, estimate_table, read_estimate
 from steps import STEPS, step_id
 from tour.charts import estimate_figure, save_png, tour_figure

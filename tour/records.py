@@ -11,7 +11,7 @@ import json
 import math
 from dataclasses import dataclass, field
 
-from common.memory import BREAKDOWN_KEYS
+from common.breakdown import BREAKDOWN_KEYS
 from estimate.records import breakdown_of, finite, whole_number
 
 TOUR_FILE = "tour.json"

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 from common.atomic_write import write_text_atomically
-from common.memory import BREAKDOWN_KEYS, MODEL_STATE_KEYS
+from common.breakdown import BREAKDOWN_KEYS, MODEL_STATE_KEYS
 from estimate.records import (
     ESTIMATE_FILE,
     MIB,

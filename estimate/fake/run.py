@@ -11,7 +11,6 @@ PyTorch is in patches.py.
 Values a step reads back on the host (`.item()`) that fake tensors do not know read as 0: a
 gradient scaler never finds an overflow, and every step is taken.
 """
-import argparse
 import gc
 import io
 import os
@@ -38,8 +37,9 @@ from estimate.fake.patches import (
     sharding_propagation_apart,
     swappable_fake_parameters,
 )
+from estimate.fake.recording import AllocationTrace
 from estimate.fake.stand_ins import StandIns
-from estimate.replay.trace import AllocationTrace
+from estimate.gpu_choices import wants_cuda_emulation
 from estimate.shortcuts import sizes
 from steps import import_script
 
@@ -108,14 +108,6 @@ def noting_pieces(function, chunks):
             return function.forward(*args, **kwargs)
     Noted.__name__ = function.__name__
     return Noted
-
-
-def wants_cuda_emulation(argv):
-    """--device cpu asks for the CPU itself (no GPU emulation); anything else predicts a GPU."""
-    parser = argparse.ArgumentParser(add_help=False)
-    parser.add_argument("--device", default="auto")
-    known, _ = parser.parse_known_args(argv)
-    return known.device != "cpu"
 
 
 def without_estimate_flag(argv):

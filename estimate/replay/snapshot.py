@@ -13,7 +13,7 @@ the forward, backward and optimizer-step spans marked.
 import pickle
 from pathlib import Path
 
-from common.memory import BREAKDOWN_KEYS, CATEGORIES
+from common.breakdown import BREAKDOWN_KEYS, CATEGORIES
 
 COLOURS = {"parameters": "#4c72b0", "gradients": "#dd8452", "optimizer_state": "#55a868",
            "activations": "#c44e52", "temporaries": "#8172b3"}

@@ -47,6 +47,9 @@ MODEL_FILES = ("*.json",)  # a --model folder's config (and tokenizer) files: no
 # what picks PyTorch's CPU kernels (and so a CPU estimate's temporaries), the allocator's ways,
 # the compiler's choices
 ENVIRONMENT_PREFIXES = ("ATEN_", "MKL_", "TORCH", "PYTORCH_")
+# of those, where a library keeps its files, which chooses nothing: torch._inductor sets its own as
+# it is imported (in a process that has made a fake run, not in one that answered from kept runs)
+PLACES = {"TORCHINDUCTOR_CACHE_DIR"}
 OFF, ON = ("0", "false", "no", "off"), ("", "1", "true", "yes", "on")
 
 
@@ -55,7 +58,7 @@ class KeptRun:
     script: str
     emulate_cuda: bool
     record: dict                # what the script reported: preset, model, world size, batch, ...
-    events: list                # the training steps' allocation events (replay/trace.py)
+    events: list                # the training steps' allocation events (fake/recording.py)
     creation: list              # model creation's events
     parameter_count: int
     parameters_held: int
@@ -138,7 +141,7 @@ def processor():
 
 def environment():
     return {name: value for name, value in sorted(os.environ.items())
-            if name.startswith(ENVIRONMENT_PREFIXES)}
+            if name.startswith(ENVIRONMENT_PREFIXES) and name not in PLACES}
 
 
 def model_digest(argv):
@@ -326,6 +329,34 @@ def note_size(family, size):
         partial.replace(folder() / f"{family}.sizes")
     except OSError:
         pass
+
+
+def parameters_kept(name):
+    """The parameter count note_parameters kept under `name` (a row's key), or None: none kept,
+    or counted with other versions of torch or transformers."""
+    try:
+        kept = json.loads((folder() / f"{name}.parameters").read_text())
+    except (OSError, ValueError):
+        return None
+    return kept.get("count") if kept.get("versions") == counting_versions() else None
+
+
+def note_parameters(name, count):
+    """Keep the parameter count of the model a row's key `name` builds (for a later question)."""
+    if name is None:
+        return
+    try:
+        folder().mkdir(parents=True, exist_ok=True)
+        partial = folder() / f"{name}.{os.getpid()}.parameters.tmp"
+        partial.write_text(json.dumps({"count": count, "versions": counting_versions()}))
+        partial.replace(folder() / f"{name}.parameters")
+    except OSError:
+        pass
+
+
+def counting_versions():
+    """The libraries whose classes build a model from its config: what a count depends on."""
+    return {name: installed(name) for name in ("torch", "transformers")}
 
 
 def limit_bytes():

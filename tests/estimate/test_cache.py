@@ -173,6 +173,38 @@ def test_the_table_asked_again_answers_from_kept_runs_with_the_same_table(tmp_pa
     assert table[0] == table[1] and len(table[0]) == len(rows) + 2  # a header, a rule, the rows
 
 
+# a second ask in a process of its own, which says which of these it imported
+ASKED_AGAIN = """import runpy, sys
+sys.argv = ["estimate", *sys.argv[1:]]
+try:
+    runpy.run_module("estimate", run_name="__main__")
+finally:
+    print("imported:", [name for name in ("estimate.fake.run", "torch.distributed._tools",
+                                          "common.memory") if name in sys.modules])
+"""
+
+
+def test_a_question_asked_again_reads_its_runs_back_without_the_fake_runs_machinery(tmp_path):
+    """Another --gpu-memory: every estimate of the stack is read back, not run, and the process
+    imports no fake tensors, no memory tracker (the parameter count kept beside the runs); the
+    first ask, which imported them, kept its runs under the keys the second computes."""
+    environment = {**os.environ, cache.VARIABLE: str(tmp_path / "kept")}
+    flags = ["--preset", "tiny", "--stack-only", "--results-dir", str(tmp_path)]
+    first = subprocess.run([sys.executable, "-m", "estimate", *flags, "--gpu-memory", "1GB"],
+                           cwd=ROOT, capture_output=True, text=True, env=environment, timeout=300)
+    again = subprocess.run([sys.executable, "-c", ASKED_AGAIN, *flags, "--gpu-memory", "2GB"],
+                           cwd=ROOT, capture_output=True, text=True, env=environment, timeout=300)
+    assert first.returncode == again.returncode == 0, first.stderr + again.stderr
+    assert "kept from an earlier estimate" not in first.stdout
+    estimates = [line for line in again.stdout.splitlines() if line.startswith("[stack]")]
+    assert len(estimates) == 3 and all(line.endswith("(kept from an earlier estimate)")
+                                       for line in estimates)
+    assert "imported: []" in again.stdout
+    commands = [[line for line in done.stdout.splitlines() if "python 10_combined.py" in line]
+                for done in (first, again)]
+    assert commands[0] == commands[1] and commands[0]
+
+
 def test_a_package_installed_in_editable_mode_is_checked_with_its_files(tmp_path, monkeypatch):
     """pip install -e: an edit in place keeps the version, so the files' sizes and times count."""
     source = tmp_path / "transformers-checkout"

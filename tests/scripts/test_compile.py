@@ -9,9 +9,10 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
+from common.breakdown import fold_breakdown
 from common.cli import compiler_problem, parse_args
 from common.compiled_memory import AllocationTracker
-from common.memory import device_snapshot, fold_breakdown
+from common.memory import device_snapshot
 from common.model import transformer_blocks
 from conftest import CPU, PROBED_TEST_TIMEOUT, QUICK, assert_follows, load_script, run_script, script_path
 from estimate import estimate

@@ -180,7 +180,7 @@ def test_the_breakdown_prints_the_states_bytes_per_parameter(tmp_path, capsys):
     keeps (moments, 8-bit codes and scales, projectors: all made with the optimizer) and what a
     step holds while it runs, which MemTracker counts as the optimizer's: at most one SVD's
     float32 tensors for the widest matrix (its input, a column-major copy of it, U, S and Vh)."""
-    from common.memory import MODEL_STATE_KEYS
+    from common.breakdown import MODEL_STATE_KEYS
     record, meter = run_script("04c", [*QUICK, "--galore-8bit"], tmp_path, unevaluated("04c"))
     printed = capsys.readouterr().out
     names = ("exp_avg", "exp_avg_sq", "state1", "state2", "absmax1", "absmax2", "qmap1", "qmap2",

@@ -14,7 +14,7 @@ import pytest
 import torch
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 
-from common.memory import BREAKDOWN_KEYS
+from common.breakdown import BREAKDOWN_KEYS
 from conftest import QUICK, ROOT
 from estimate.records import GB, MIB, load_estimates, published_gb
 from estimate.stack import whole_stack
