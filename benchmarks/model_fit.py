@@ -93,6 +93,9 @@ def ask(root, question, kept):
     if status:
         print((output + said)[-3000:])
         raise SystemExit(f"exit status {status}: {' '.join(command)} (in {root})")
+    if answered is None:  # no line began with the answer's words: what came instead, as it came
+        print(f"  no line began \"The stack\" ({question}); the first lines of standard output:\n"
+              + "".join(f"    {line!r}\n" for line in lines[:8]) + f"  standard error's end: {said[-800:]!r}")
     answer = [line.strip() for line in output.splitlines()
               if line.startswith(("The stack", "  python", "  torchrun", "with adapters"))
               or re.match(r"\| \d\d", line)]

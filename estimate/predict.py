@@ -1,5 +1,7 @@
 """One prediction: run a script on fake tensors (whole, or by probes of its blocks) and replay it as a GPU."""
+import gc
 import os
+import sys
 import time
 import traceback
 from dataclasses import dataclass
@@ -55,7 +57,12 @@ def run_for(row, learned=None):
     blocks repeat, else whole; compiled, with its unfused bound where asked. `learned`: what a
     run of the same row at another micro-batch size kept of its probes (KeptRun.learned): its
     two smaller probes alone are then run at this size, where their events allow."""
-    # (imported here, where a run is made: a kept run's answer needs no fake tensors, no tracker)
+    if "estimate.fake.run" not in sys.modules:  # imported where a run is made: a kept run's answer
+        # needs no fake tensors, no tracker. In a worker forked before it was imported, what the
+        # import made is frozen for the garbage collector, as output.worker_pool froze the rest
+        import estimate.fake.run  # noqa: F401
+        if gc.get_freeze_count():
+            gc.freeze()
     from estimate.fake.run import run_on_fake_tensors
     from estimate.shortcuts.blocks import run_at_another_size, run_by_blocks
     script_path, argv, world_size, gpu = row.script, row.argv, row.world_size, row.gpu

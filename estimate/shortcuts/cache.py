@@ -333,22 +333,29 @@ def note_size(family, size):
 
 def parameters_kept(name):
     """The parameter count note_parameters kept under `name` (a row's key), or None: none kept,
-    or counted with other versions of torch or transformers."""
+    or counted with other versions of torch or transformers, or with other files of this
+    repository (the presets, the model's code) than those here now."""
     try:
         kept = json.loads((folder() / f"{name}.parameters").read_text())
-    except (OSError, ValueError):
+        sources = kept["sources"].items()
+    except (OSError, ValueError, KeyError, AttributeError):
         return None
-    return kept.get("count") if kept.get("versions") == counting_versions() else None
+    if kept.get("versions") != counting_versions() or any(
+            file_digest(ROOT / path) != digest for path, digest in sources):
+        return None
+    return kept.get("count")
 
 
 def note_parameters(name, count):
-    """Keep the parameter count of the model a row's key `name` builds (for a later question)."""
+    """Keep the parameter count of the model a row's key `name` builds (for a later question),
+    with the files of this repository this process has loaded (those that built the model)."""
     if name is None:
         return
     try:
         folder().mkdir(parents=True, exist_ok=True)
         partial = folder() / f"{name}.{os.getpid()}.parameters.tmp"
-        partial.write_text(json.dumps({"count": count, "versions": counting_versions()}))
+        partial.write_text(json.dumps({"count": count, "versions": counting_versions(),
+                                       "sources": loaded_sources()}))
         partial.replace(folder() / f"{name}.parameters")
     except OSError:
         pass

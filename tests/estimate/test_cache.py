@@ -173,6 +173,23 @@ def test_the_table_asked_again_answers_from_kept_runs_with_the_same_table(tmp_pa
     assert table[0] == table[1] and len(table[0]) == len(rows) + 2  # a header, a rule, the rows
 
 
+def test_a_kept_parameter_count_holds_while_the_files_that_built_the_model_do(kept, monkeypatch):
+    """The count a question asked again reads (estimate/command.py's model_parameters): gone
+    once a file of this repository the counting process had loaded (a preset, the model's code)
+    reads otherwise, or another transformers is installed."""
+    name = cache.key(Row(script_path("10"), TINY), False)
+    cache.note_parameters(name, 1234)
+    assert cache.parameters_kept(name) == 1234
+    presets = cache.ROOT / "common" / "presets.py"
+    real = cache.file_digest
+    monkeypatch.setattr(cache, "file_digest",
+                        lambda path: "edited" if path == presets else real(path))
+    assert cache.parameters_kept(name) is None
+    monkeypatch.setattr(cache, "file_digest", real)
+    monkeypatch.setattr(cache, "counting_versions", lambda: {"transformers": "another"})
+    assert cache.parameters_kept(name) is None
+
+
 # a second ask in a process of its own, which says which of these it imported
 ASKED_AGAIN = """import runpy, sys
 sys.argv = ["estimate", *sys.argv[1:]]
