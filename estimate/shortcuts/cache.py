@@ -262,7 +262,7 @@ def still_holds(variant, gpu):
     distributions it imported."""
     if gpu is not None and not reads_match(variant["gpu_read"], gpu):
         return False
-    if any(file_digest(ROOT / path) != digest for path, digest in variant["sources"].items()):
+    if not sources_hold(variant["sources"]):
         return False
     return all(installed(name) == version for name, version in variant["distributions"].items())
 
@@ -308,57 +308,62 @@ def keep(name, kept):
     evict()
 
 
+def noted(name, suffix):
+    """What note() wrote under `name` with `suffix` (JSON), or None: none, or unreadable."""
+    try:
+        return json.loads((folder() / f"{name}.{suffix}").read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def note(name, suffix, value):
+    """Write `value` (JSON) beside the runs under `name` with `suffix`, whole or not at all, for
+    other processes; nothing where the folder cannot be written."""
+    try:
+        folder().mkdir(parents=True, exist_ok=True)
+        partial = folder() / f"{name}.{os.getpid()}.{suffix}.tmp"
+        partial.write_text(json.dumps(value))
+        partial.replace(folder() / f"{name}.{suffix}")
+    except OSError:
+        pass
+
+
 def sizes_kept(family):
     """The micro-batch sizes whose runs were kept for `family` (the key of a search's row with
     no size: estimate/question.py), as noted by note_size; [] if none."""
-    try:
-        return json.loads((folder() / f"{family}.sizes").read_text())
-    except (OSError, ValueError):
-        return []
+    return noted(family, "sizes") or []
 
 
 def note_size(family, size):
     """Note that a run of `family` at micro-batch `size` was kept (for later searches)."""
-    if family is None:
-        return
-    sizes = sorted(set(sizes_kept(family)) | {size})
-    try:
-        folder().mkdir(parents=True, exist_ok=True)
-        partial = folder() / f"{family}.{os.getpid()}.sizes.tmp"
-        partial.write_text(json.dumps(sizes))
-        partial.replace(folder() / f"{family}.sizes")
-    except OSError:
-        pass
+    if family is not None:
+        note(family, "sizes", sorted(set(sizes_kept(family)) | {size}))
+
+
+def sources_hold(sources):
+    """Whether every file of this repository in `sources` ({path: SHA-256}, as loaded_sources
+    gives them) reads as it did."""
+    return all(file_digest(ROOT / path) == digest for path, digest in sources.items())
 
 
 def parameters_kept(name):
     """The parameter count note_parameters kept under `name` (a row's key), or None: none kept,
     or counted with other versions of torch or transformers, or with other files of this
     repository (the presets, the model's code) than those here now."""
+    kept = noted(name, "parameters")
     try:
-        kept = json.loads((folder() / f"{name}.parameters").read_text())
-        sources = kept["sources"].items()
-    except (OSError, ValueError, KeyError, AttributeError):
+        holds = kept["versions"] == counting_versions() and sources_hold(kept["sources"])
+    except (TypeError, KeyError, AttributeError):
         return None
-    if kept.get("versions") != counting_versions() or any(
-            file_digest(ROOT / path) != digest for path, digest in sources):
-        return None
-    return kept.get("count")
+    return kept.get("count") if holds else None
 
 
 def note_parameters(name, count):
     """Keep the parameter count of the model a row's key `name` builds (for a later question),
     with the files of this repository this process has loaded (those that built the model)."""
-    if name is None:
-        return
-    try:
-        folder().mkdir(parents=True, exist_ok=True)
-        partial = folder() / f"{name}.{os.getpid()}.parameters.tmp"
-        partial.write_text(json.dumps({"count": count, "versions": counting_versions(),
-                                       "sources": loaded_sources()}))
-        partial.replace(folder() / f"{name}.parameters")
-    except OSError:
-        pass
+    if name is not None:
+        note(name, "parameters", {"count": count, "versions": counting_versions(),
+                                  "sources": loaded_sources()})
 
 
 def counting_versions():
