@@ -14,9 +14,10 @@ Steps from 07 on shard across processes and run under torchrun: with 2 GPUs or m
 process per GPU (at most --nproc, and as many as the preset's batch splits over); with one GPU,
 one process on it for the GPU presets (article, imdb) and 2 CPU processes (gloo) for the CPU
 ones; with none, 2 CPU processes. The choice is printed and shown in the table.
-In a CPU tour (no GPU, or --device cpu) the single-process steps run two at a time (each prints its output
-when it ends), which shortens the tour by the seconds each spends starting Python and importing;
-their training times then include sharing the cores, as the table says. --publish and
+In a CPU tour (no GPU, or --device cpu) the single-process steps run two at a time, the next
+starting as soon as either ends (each prints its output when it ends), which shortens the tour by
+the seconds each spends starting Python and importing; their training times then include sharing
+the cores, as the table says. --publish and
 --one-at-a-time run each step alone, with its output streaming as it runs. A step that fails
 (non-zero exit, or no JSON record) is shown as failed in the table with the end of its stderr,
 and the others still run; the command then exits with status 1.
@@ -241,19 +242,22 @@ def kill_process_group(process):
         pass
 
 
-def run_command(command, results_dir, position, timeout=STEP_TIMEOUT, beside=None):
+def run_command(command, results_dir, position, timeout=STEP_TIMEOUT, slots=None):
     """Run one Command with its output streaming through; returns its outcome for tour.json.
-    With `beside` (the name of a step running at the same time) its output is kept and printed
-    whole when it ends, so that two steps' lines do not interleave."""
-    if beside is None:
+    With `slots` (a Slots: it runs in one of two, beside other steps) its output is kept and
+    printed whole when it ends, so that two steps' lines do not interleave."""
+    beside = None
+    if slots is None:
         print(f"\n{position} {command.name} ...", flush=True)
+    else:
+        slots.start(command.name, position)
     start = time.perf_counter()
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}  # its lines interleave with ours in order
-    if beside is not None:  # threads that wait for their turn sleep instead of spinning on the
+    if slots is not None:  # threads that wait for their turn sleep instead of spinning on the
         env.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # cores the other step's threads need
     # its own process group, so that a hung step is ended with all its workers
     with subprocess.Popen(command.argv, cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True,
-                          stdout=None if beside is None else subprocess.PIPE,
+                          stdout=None if slots is None else subprocess.PIPE,
                           errors="replace", start_new_session=True) as process:
         RUNNING.add(process)
         if STOPPING.is_set():  # Ctrl-C came while it started, beside another step
@@ -261,7 +265,7 @@ def run_command(command, results_dir, position, timeout=STEP_TIMEOUT, beside=Non
         watchdog = threading.Timer(timeout, kill_process_group, [process])
         watchdog.start()
         try:
-            if beside is None:
+            if slots is None:
                 stderr_lines, stdout = stream_stderr(process), ""
             else:
                 stdout, stderr = process.communicate()
@@ -273,6 +277,8 @@ def run_command(command, results_dir, position, timeout=STEP_TIMEOUT, beside=Non
         finally:
             watchdog.cancel()
             RUNNING.discard(process)
+            if slots is not None:
+                beside = ", ".join(slots.end(command.name)) or None
     if STOPPING.is_set():  # ended by Ctrl-C beside another step: nothing to report
         raise KeyboardInterrupt
     seconds = time.perf_counter() - start
@@ -292,8 +298,9 @@ def run_command(command, results_dir, position, timeout=STEP_TIMEOUT, beside=Non
     ended = (f"{position} {command.name} {'ok' if error is None else 'FAILED, ' + error} "
              f"({seconds:.1f} s)")
     with PRINTING:  # one step's lines together, the other's before or after them
-        if beside is not None:  # its whole output, then how it ended
-            print(f"\n{position} {command.name} (ran beside {beside}):", flush=True)
+        if slots is not None:  # its whole output, then how it ended
+            print(f"\n{position} {command.name} (ran beside {beside or 'no other step'}):",
+                  flush=True)
             sys.stdout.write(stdout)
             sys.stdout.flush()
             sys.stderr.write("".join(f"{line}\n" for line in stderr_lines))
@@ -305,18 +312,52 @@ def run_command(command, results_dir, position, timeout=STEP_TIMEOUT, beside=Non
             "error": error, "error_lines": error_lines}
 
 
-def run_two_side_by_side(first, second, results_dir, positions, timeout):
-    """Two single-process steps at once, each on its own output; their outcomes in order."""
-    print(f"\n{positions[0]} {first.name} ... (beside {second.name})\n"
-          f"{positions[1]} {second.name} ... (beside {first.name})", flush=True)
+class Slots:
+    """Two slots that single-process steps take in turn, and which steps ran at the same time
+    as which: a step's neighbours are those running when it starts and those that start while
+    it runs. The first two are announced together, each later one as it starts."""
+
+    def __init__(self, first_two):
+        self.lock = threading.Lock()
+        self.running = {}  # name: the names seen running beside it so far
+        self.first_two = first_two
+
+    def start(self, name, position):
+        with self.lock:
+            for others in self.running.values():
+                others.append(name)
+            self.running[name] = list(self.running)
+            if name not in self.first_two:
+                neighbours = ", ".join(self.running[name])
+                print(f"\n{position} {name} ..." + (f" (beside {neighbours})" if neighbours else ""),
+                      flush=True)
+
+    def end(self, name):
+        with self.lock:
+            return self.running.pop(name)
+
+
+def run_side_by_side(commands, results_dir, positions, timeout):
+    """Single-process steps in two slots: the first two start together and each later one as
+    soon as a slot frees, in order, so that a long step never holds a short one's core idle.
+    Their outcomes, in order."""
     STOPPING.clear()
+    first_two = [command.name for command in commands[:2]]
+    print("".join(f"\n{position} {name} ... (beside {other})" for position, name, other in
+                  zip(positions, first_two, reversed(first_two))), flush=True)
+    slots = Slots(first_two)
+
+    def run(command, position):
+        if STOPPING.is_set():  # Ctrl-C before its turn: never started
+            raise KeyboardInterrupt
+        return run_command(command, results_dir, position, timeout, slots)
+
     with ThreadPoolExecutor(max_workers=2) as pool:
         try:
-            futures = [pool.submit(run_command, command, results_dir, position, timeout, other.name)
-                       for command, position, other in ((first, positions[0], second),
-                                                        (second, positions[1], first))]
+            futures = [pool.submit(run, command, position)
+                       for command, position in zip(commands, positions)]
             return [future.result() for future in futures]
-        except BaseException:  # Ctrl-C here: end both steps, whose threads then return
+        except BaseException:  # Ctrl-C here: end the steps running; the others never start
             STOPPING.set()
             for process in list(RUNNING):
                 kill_process_group(process)
@@ -330,17 +371,20 @@ def runs_alone(command):
 
 
 def run_commands(commands, results_dir, total, timeout, side_by_side):
-    """Run `commands` in order, numbered from 1 of `total`; with `side_by_side`, two
-    consecutive single-process steps at a time. Their outcomes, in order."""
+    """Run `commands` in order, numbered from 1 of `total`; with `side_by_side`, each run of
+    consecutive single-process steps on two slots (run_side_by_side). Their outcomes, in order."""
     outcomes, index = [], 0
+    positions = [f"[{number}/{total}]" for number in range(1, len(commands) + 1)]
     while index < len(commands):
-        pair = commands[index:index + 2]
-        positions = [f"[{number}/{total}]" for number in range(index + 1, index + 3)]
-        if side_by_side and len(pair) == 2 and not any(runs_alone(command) for command in pair):
-            outcomes += run_two_side_by_side(*pair, results_dir, positions, timeout)
-            index += 2
+        end = index
+        while side_by_side and end < len(commands) and not runs_alone(commands[end]):
+            end += 1
+        if end - index >= 2:
+            outcomes += run_side_by_side(commands[index:end], results_dir, positions[index:end],
+                                         timeout)
+            index = end
         else:
-            outcomes.append(run_command(commands[index], results_dir, positions[0], timeout))
+            outcomes.append(run_command(commands[index], results_dir, positions[index], timeout))
             index += 1
     return outcomes
 

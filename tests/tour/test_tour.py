@@ -465,6 +465,35 @@ def test_a_cpu_tour_runs_two_single_process_steps_side_by_side(tmp_path, monkeyp
     assert not tour.parse_args([], scripts_dir=scripts).side_by_side
 
 
+STARTS_AND_ENDS = """# a fake step that notes it started and writes its record at once
+import sys
+from pathlib import Path
+from fake_record import write_record
+(Path(sys.argv[sys.argv.index("--results-dir") + 1]) / "{mine}.started").touch()
+write_record(__file__)
+"""
+
+
+def test_a_step_starts_as_soon_as_a_slot_frees_not_when_its_pair_ends(tmp_path, monkeypatch, capfd):
+    """01 ends only once 03 has started: 02 ends at once, and 03 takes its slot while 01 still
+    runs (two steps at a time in pairs would wait for 01 first, which then waits for 03)."""
+    scripts, results = tmp_path / "scripts", tmp_path / "results"
+    scripts.mkdir()
+    shutil.copy(FIXTURES / "fake_steps" / "fake_record.py", scripts)
+    (scripts / "01_waits_for_03.py").write_text(WAITS_FOR.format(mine="01", other="03"))
+    for mine in ("02", "03"):
+        (scripts / f"{mine}_ends_at_once.py").write_text(STARTS_AND_ENDS.format(mine=mine))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    assert tour.main(["--results-dir", str(results), "--skip-estimate"], scripts_dir=scripts) == 0
+    output = capfd.readouterr().out
+    assert "[3/3] 03_ends_at_once.py ... (beside 01_waits_for_03.py)" in output
+    assert "[1/3] 01_waits_for_03.py (ran beside 02_ends_at_once.py, 03_ends_at_once.py):" in output
+    steps = {step["script"]: step for step in json.loads((results / "tour.json").read_text())["steps"]}
+    assert [steps[name]["status"] for name in steps] == ["ok"] * 3
+    assert steps["03_ends_at_once"]["beside"] == "01_waits_for_03.py"
+
+
 SLEEPS = """import os, sys, time
 from pathlib import Path
 results = Path(sys.argv[sys.argv.index("--results-dir") + 1]).parent  # above the tour's staging
