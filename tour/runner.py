@@ -327,10 +327,11 @@ class Slots:
             for others in self.running.values():
                 others.append(name)
             self.running[name] = list(self.running)
-            if name not in self.first_two:
+            if name not in self.first_two:  # (not inside another step's output)
                 neighbours = ", ".join(self.running[name])
-                print(f"\n{position} {name} ..." + (f" (beside {neighbours})" if neighbours else ""),
-                      flush=True)
+                with PRINTING:
+                    print(f"\n{position} {name} ..." + (f" (beside {neighbours})" if neighbours
+                                                          else ""), flush=True)
 
     def end(self, name):
         with self.lock:
