@@ -70,24 +70,46 @@ class ProgressBar:
 
 
 @contextmanager
+def whole_lines():
+    """While inside, each line printed to the terminal's standard output and error goes out in
+    one write, the workers' and ours. Unbuffered (PYTHONUNBUFFERED=1, python -u, as Docker images
+    and the tour set it), print() writes its words and its newline apart, and the lines of
+    processes printing at once land inside each other: "...(2.9 s)The stack: ...", an answer
+    no longer at the start of its line. Line-buffered, a line is written whole."""
+    streams = [stream for stream in (sys.stdout, sys.stderr)
+               if stream in (sys.__stdout__, sys.__stderr__) and isinstance(stream, io.TextIOWrapper)
+               and stream.write_through]
+    for stream in streams:
+        stream.reconfigure(write_through=False, line_buffering=True)
+    try:
+        yield
+    finally:
+        for stream in streams:
+            stream.reconfigure(write_through=True, line_buffering=False)
+
+
+@contextmanager
 def worker_pool(jobs, interrupted):
     """A pool of `jobs` forked workers (they share the parent's imports, which the collector
-    then leaves alone). On Ctrl-C the workers are killed and the run stops with the message
-    `interrupted()` returns (called then, so it can say what was done)."""
+    then leaves alone), printing whole lines beside ours (whole_lines). On Ctrl-C the workers
+    are killed and the run stops with the message `interrupted()` returns (called then, so it
+    can say what was done)."""
     gc.freeze()  # imported objects never become garbage: keep them out of the collector's way
-    pool = ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("fork"),
-                               initializer=signal.signal, initargs=(signal.SIGINT, signal.SIG_IGN))
-    try:
-        yield pool
-    except KeyboardInterrupt:
-        stop(pool)  # mid-estimate: a worker ignoring Ctrl-C would finish its row first
-        raise SystemExit(f"\ninterrupted (Ctrl-C) {interrupted()}") from None
-    except BrokenProcessPool:
-        stop(pool)
-        raise SystemExit(f"error: a worker process died (killed: by the system when memory ran "
-                         f"out, most often), {interrupted()}. Run again with --jobs 1: one "
-                         "estimate at a time holds the least memory") from None
-    pool.shutdown()
+    with whole_lines():
+        pool = ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("fork"),
+                                   initializer=signal.signal,
+                                   initargs=(signal.SIGINT, signal.SIG_IGN))
+        try:
+            yield pool
+        except KeyboardInterrupt:
+            stop(pool)  # mid-estimate: a worker ignoring Ctrl-C would finish its row first
+            raise SystemExit(f"\ninterrupted (Ctrl-C) {interrupted()}") from None
+        except BrokenProcessPool:
+            stop(pool)
+            raise SystemExit(f"error: a worker process died (killed: by the system when memory "
+                             f"ran out, most often), {interrupted()}. Run again with --jobs 1: "
+                             "one estimate at a time holds the least memory") from None
+        pool.shutdown()
 
 
 def stop(pool):

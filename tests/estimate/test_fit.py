@@ -1,5 +1,6 @@
 """--gpu-memory: the search for the largest batch (or micro-batch) that fits, on fake tensors."""
 import json
+import os
 import subprocess
 import sys
 
@@ -132,6 +133,43 @@ def test_a_worker_that_dies_stops_the_work_with_what_to_do():
     from estimate.output import in_order
     with pytest.raises(SystemExit, match="a worker process died .* after 0 of 2 estimates.*--jobs 1"):
         list(in_order(killed, [1, 2], 2, lambda: "after 0 of 2 estimates"))
+
+
+PRINTING_AT_ONCE = """import sys
+from estimate.output import worker_pool
+
+def say(name):
+    for number in range(2000):
+        print(f"{name} line {number} of words", flush=True)
+
+if __name__ == "__main__":
+    with worker_pool(2, lambda: "") as pool:
+        futures = [pool.submit(say, name) for name in ("first", "second")]
+        say("parent")
+        [future.result() for future in futures]
+    print("after the workers", flush=True)
+    print("words", end="", flush=True)
+    print(" and their newline")
+    print("unbuffered again:", sys.stdout.write_through)
+"""
+
+
+def test_lines_printed_at_once_by_the_workers_and_the_parent_stay_whole(tmp_path):
+    """Unbuffered (PYTHONUNBUFFERED=1, as Docker images and the tour set it), print() writes
+    its words and its newline apart: two processes printing at once glued each other's lines
+    ("...(2.9 s)The stack: ..."), once every few asks; with 2,000 lines from each of three
+    processes, thousands of times. Inside the pool every line is written whole."""
+    program = tmp_path / "printing_at_once.py"
+    program.write_text(PRINTING_AT_ONCE)
+    done = subprocess.run([sys.executable, str(program)], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "PYTHONUNBUFFERED": "1",
+                                            "PYTHONPATH": str(ROOT)})
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = done.stdout.splitlines()
+    assert sorted(lines[:-3]) == sorted(f"{name} line {number} of words"
+                                        for name in ("first", "second", "parent")
+                                        for number in range(2000))
+    assert lines[-3:] == ["after the workers", "words and their newline", "unbuffered again: True"]
 
 
 def two_phase(micro):
