@@ -15,7 +15,14 @@ from common.cli import add_shared_flags, parse_args, positive_int, unwritable
 from common.presets import PRESETS
 from estimate import records
 from estimate.gpu_choices import DEFAULT_GPU, GPUS, gpu_problem
-from estimate.output import quiet_while_working, report_progress, resources_used, rows_table, worker_pool
+from estimate.output import (
+    print_whole,
+    quiet_while_working,
+    report_progress,
+    resources_used,
+    rows_table,
+    worker_pool,
+)
 from estimate.predict import EXACT_VARIABLE, Row, attempt, compiles
 from estimate.records import GB, PER_PARAMETER_NOTE, STUDY_RESERVED_GB, in_study_setting, save_records
 from estimate.search import longest, walk
@@ -282,7 +289,7 @@ def table_main(argv):
     if args.gpu_memory is not None:  # the answer first, the moment it is known: the stack
         shown = sys.stdout
         with quiet_while_working(args.quiet):  # the work's progress lines, unless --quiet
-            chain, adapters = the_stack(args, flags, lambda text: print(text, file=shown, flush=True))
+            chain, adapters = the_stack(args, flags, lambda text: print_whole(text, shown))
     try:  # Ctrl-C from here on leaves the answer on screen, and says what it stopped
         if args.gpu_memory is not None:
             if adapters:

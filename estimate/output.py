@@ -69,13 +69,20 @@ class ProgressBar:
             print(file=self.stream, flush=True)
 
 
+def print_whole(text, stream=None):
+    """Print `text`, of one line or several, and its newline in one write: line-buffered
+    (whole_lines), print(text) writes a newline inside it at once and its last apart."""
+    print(text + "\n", end="", file=stream or sys.stdout, flush=True)
+
+
 @contextmanager
 def whole_lines():
     """While inside, each line printed to the terminal's standard output and error goes out in
     one write, the workers' and ours. Unbuffered (PYTHONUNBUFFERED=1, python -u, as Docker images
     and the tour set it), print() writes its words and its newline apart, and the lines of
     processes printing at once land inside each other: "...(2.9 s)The stack: ...", an answer
-    no longer at the start of its line. Line-buffered, a line is written whole."""
+    no longer at the start of its line. Line-buffered, a line is written whole (text of several
+    lines: print_whole)."""
     streams = [stream for stream in (sys.stdout, sys.stderr)
                if stream in (sys.__stdout__, sys.__stderr__) and isinstance(stream, io.TextIOWrapper)
                and stream.write_through]
@@ -85,7 +92,10 @@ def whole_lines():
         yield
     finally:
         for stream in streams:
-            stream.reconfigure(write_through=True, line_buffering=False)
+            try:  # (it flushes first: a closed pipe must not hide what ended the work)
+                stream.reconfigure(write_through=True, line_buffering=False)
+            except OSError:
+                pass
 
 
 @contextmanager

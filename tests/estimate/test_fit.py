@@ -135,19 +135,32 @@ def test_a_worker_that_dies_stops_the_work_with_what_to_do():
         list(in_order(killed, [1, 2], 2, lambda: "after 0 of 2 estimates"))
 
 
-PRINTING_AT_ONCE = """import sys
-from estimate.output import worker_pool
+PRINTING_AT_ONCE = """import os, sys, time
+from estimate.output import print_whole, worker_pool
 
-def say(name):
-    for number in range(2000):
+def say(name, until):  # lines until the parent is done, the first before it starts
+    number = 0
+    while number == 0 or not os.path.exists(until) and number < 200_000:
         print(f"{name} line {number} of words", flush=True)
+        number += 1
+        if number == 1:
+            open(f"{until}.{name}", "w").close()
+    return number
 
 if __name__ == "__main__":
+    until = sys.argv[1]
     with worker_pool(2, lambda: "") as pool:
-        futures = [pool.submit(say, name) for name in ("first", "second")]
-        say("parent")
-        [future.result() for future in futures]
-    print("after the workers", flush=True)
+        futures = [pool.submit(say, name, until) for name in ("first", "second")]
+        for _ in range(3000):  # (30 s at most)
+            if all(os.path.exists(f"{until}.{name}") for name in ("first", "second")):
+                break
+            time.sleep(0.01)
+        for number in range(2000):  # and among the parent's lines, an answer of two lines
+            print(f"parent line {number} of words", flush=True)  # as estimate/command.py prints it
+            print_whole(f"answer {number}\\n  and its command")
+        open(until, "w").close()
+        counts = [future.result() for future in futures]
+    print("after the workers", *counts, flush=True)
     print("words", end="", flush=True)
     print(" and their newline")
     print("unbuffered again:", sys.stdout.write_through)
@@ -157,19 +170,26 @@ if __name__ == "__main__":
 def test_lines_printed_at_once_by_the_workers_and_the_parent_stay_whole(tmp_path):
     """Unbuffered (PYTHONUNBUFFERED=1, as Docker images and the tour set it), print() writes
     its words and its newline apart: two processes printing at once glued each other's lines
-    ("...(2.9 s)The stack: ..."), once every few asks; with 2,000 lines from each of three
-    processes, thousands of times. Inside the pool every line is written whole."""
+    ("...(2.9 s)The stack: ..."), once every few asks; here, with two workers printing all the
+    while the parent prints 2,000 lines and 2,000 answers of two lines, thousands of times.
+    Inside the pool every line is written whole, the answer's too."""
     program = tmp_path / "printing_at_once.py"
     program.write_text(PRINTING_AT_ONCE)
-    done = subprocess.run([sys.executable, str(program)], cwd=ROOT, capture_output=True, text=True,
-                          timeout=120, env={**os.environ, "PYTHONUNBUFFERED": "1",
-                                            "PYTHONPATH": str(ROOT)})
+    done = subprocess.run([sys.executable, str(program), str(tmp_path / "done")], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(ROOT)})
     assert done.returncode == 0, done.stderr[-2000:]
     lines = done.stdout.splitlines()
-    assert sorted(lines[:-3]) == sorted(f"{name} line {number} of words"
-                                        for name in ("first", "second", "parent")
-                                        for number in range(2000))
-    assert lines[-3:] == ["after the workers", "words and their newline", "unbuffered again: True"]
+    *printed, after, joined, unbuffered = lines
+    first, second = (int(count) for count in after.split()[-2:])
+    assert after.startswith("after the workers") and first > 0 and second > 0
+    assert sorted(printed) == sorted([*(f"{name} line {number} of words"
+                                        for name, count in (("first", first), ("second", second),
+                                                            ("parent", 2000))
+                                        for number in range(count)),
+                                      *(f"answer {number}" for number in range(2000)),
+                                      *["  and its command"] * 2000])
+    assert [joined, unbuffered] == ["words and their newline", "unbuffered again: True"]
 
 
 def two_phase(micro):
