@@ -77,12 +77,12 @@ def print_whole(text, stream=None):
 
 @contextmanager
 def whole_lines():
-    """While inside, each line printed to the terminal's standard output and error goes out in
-    one write, the workers' and ours. Unbuffered (PYTHONUNBUFFERED=1, python -u, as Docker images
-    and the tour set it), print() writes its words and its newline apart, and the lines of
-    processes printing at once land inside each other: "...(2.9 s)The stack: ...", an answer
-    no longer at the start of its line. Line-buffered, a line is written whole (text of several
-    lines: print_whole)."""
+    """While inside, each line printed to this process's own standard output and error (a
+    terminal or a pipe) goes out in one write, the workers' and ours. Unbuffered
+    (PYTHONUNBUFFERED=1, python -u, as Docker images and the tour set it), print() writes its
+    words and its newline apart, and the lines of processes printing at once land inside each
+    other: "...(2.9 s)The stack: ...", an answer no longer at the start of its line.
+    Line-buffered, a line is written whole (text of several lines: print_whole)."""
     streams = [stream for stream in (sys.stdout, sys.stderr)
                if stream in (sys.__stdout__, sys.__stderr__) and isinstance(stream, io.TextIOWrapper)
                and stream.write_through]
