@@ -6,7 +6,6 @@ from here.
 The workers are forked (they share the parent's imports), and Ctrl-C stops them as a whole: they
 ignore it, the parent ends them and says how far it got.
 """
-import gc
 import io
 import multiprocessing
 import resource
@@ -17,6 +16,7 @@ from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from contextlib import contextmanager, redirect_stdout
 
+from estimate.collector import frozen
 from estimate.records import GB, estimate_table, read_estimate, size_text
 
 
@@ -104,8 +104,8 @@ def worker_pool(jobs, interrupted):
     then leaves alone), printing whole lines beside ours (whole_lines). On Ctrl-C the workers
     are killed and the run stops with the message `interrupted()` returns (called then, so it
     can say what was done)."""
-    gc.freeze()  # imported objects never become garbage: keep them out of the collector's way
-    with whole_lines():
+    with frozen(collect=False), whole_lines():  # imported objects never become garbage: out
+        # of the collector's way (estimate/collector.py)
         pool = ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("fork"),
                                    initializer=signal.signal,
                                    initargs=(signal.SIGINT, signal.SIG_IGN))

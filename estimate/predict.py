@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from common.breakdown import model_state_bytes_per_parameter
+from estimate import collector
 from estimate.contract import EstimateError
 from estimate.gpu_choices import DEFAULT_GPU, GPUS, HOST_CATEGORIES_WHEN_OFFLOADED, wants_cuda_emulation
 from estimate.records import size_text
@@ -61,7 +62,7 @@ def run_for(row, learned=None):
         # needs no fake tensors, no tracker. In a worker forked before it was imported, what the
         # import made is frozen for the garbage collector, as output.worker_pool froze the rest
         import estimate.fake.run  # noqa: F401
-        if gc.get_freeze_count():
+        if collector.depth:
             gc.freeze()
     from estimate.fake.run import run_on_fake_tensors
     from estimate.shortcuts.blocks import run_at_another_size, run_by_blocks

@@ -1,6 +1,5 @@
 """Helpers shared by the tests: load a numbered script as a module and run its main(), or run
 a sharded step in processes of its own."""
-import gc
 import json
 import os
 import signal
@@ -20,7 +19,8 @@ import torch  # noqa: E402
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from steps import STEPS, import_script  # noqa: E402 (needs the path above)
+from estimate.collector import frozen  # noqa: E402 (needs the path above)
+from steps import STEPS, import_script  # noqa: E402
 
 # every estimate is computed (tests change what an estimate runs); tests/estimate/test_cache.py
 # turns the kept estimates on where it tests them
@@ -168,12 +168,10 @@ def earlier_objects_frozen():
     a test starts is frozen, so its collections scan only what the test makes; thawed after it.
     Every COLLECT_EVERY tests a full collection first frees what earlier tests left."""
     global tests_started
-    if tests_started % COLLECT_EVERY == 0:
-        gc.collect()
+    collect = tests_started % COLLECT_EVERY == 0
     tests_started += 1
-    gc.freeze()
-    yield
-    gc.unfreeze()
+    with frozen(collect):
+        yield
 
 
 @pytest.fixture(autouse=True)

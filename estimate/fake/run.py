@@ -11,7 +11,6 @@ PyTorch is in patches.py.
 Values a step reads back on the host (`.item()`) that fake tensors do not know read as 0: a
 gradient scaler never finds an overflow, and every step is taken.
 """
-import gc
 import io
 import os
 import sys
@@ -23,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from estimate import gpu_choices
+from estimate.collector import frozen
 from estimate.contract import REQUIRED_WHEN_4BIT, EstimateError, check_contract, required_names
 from estimate.fake.patches import (
     FakeModeReadingZeros,
@@ -127,35 +127,9 @@ def run_on_fake_tensors(script_path, argv, world_size=1, gpu=gpu_choices.DEFAULT
     `fused`: what torch.compile compiles runs with its pointwise operations fused, or without
     (estimate/compiled.py).
     """
-    with collector_frozen():
+    with frozen():  # (estimate/collector.py)
         return fake_run(script_path, argv, world_size, gpu, any_batch_size, every_micro_batch,
                         cut, wants_cuda_emulation(argv), fused)
-
-
-@contextmanager
-def collector_frozen():
-    """What lives now frozen for the garbage collector while inside: the collection that each
-    run's measure_creation starts with then scans only what the runs made (a third of a second
-    less each run); thawed on leaving. Where something froze it already (the workers' pool, a
-    test, the estimate by blocks around its probes), it is left as it is."""
-    global inside
-    if inside:  # (asked once: gc.get_freeze_count walks every frozen object, 30 ms a time)
-        yield
-        return
-    thaw = gc.get_freeze_count() == 0
-    if thaw:
-        gc.collect()
-        gc.freeze()
-    inside = True
-    try:
-        yield
-    finally:
-        inside = False
-        if thaw:
-            gc.unfreeze()
-
-
-inside = False  # within collector_frozen
 
 
 def fake_run(script_path, argv, world_size, gpu, any_batch_size, every_micro_batch, cut,

@@ -17,7 +17,8 @@ period (an index list or a threshold, as Qwen3-MoE's `mlp_only_layers` or DeepSe
 import copy
 from functools import partial
 
-from estimate.fake.run import collector_frozen, run_on_fake_tensors
+from estimate.collector import frozen
+from estimate.fake.run import run_on_fake_tensors
 from estimate.shortcuts.sizes import canonical
 from estimate.shortcuts.synthesis import NotByBlocks, extend, extend_at_another_size
 
@@ -99,7 +100,7 @@ def run_by_blocks(script_path, argv, world_size, gpu, any_batch_size, sharded=Fa
     model does not repeat so, or is too short to gain. `sharded`: the script shards the model
     (FSDP), whose probes start at 3 periods. `made`: {periods: FakeRun} of probes already run
     (run_at_another_size's, where its rules did not hold), not run again."""
-    with collector_frozen():  # once for all the probes, not once each
+    with frozen():  # once for all the probes, not once each
         return by_blocks(script_path, argv, world_size, gpu, any_batch_size, sharded, made)
 
 
@@ -159,7 +160,7 @@ def run_at_another_size(script_path, argv, world_size, gpu, any_batch_size, lear
     the two probes run (`probes`: {periods: FakeRun})."""
     periods = learned["periods"]
     runs = []
-    with collector_frozen():
+    with frozen():
         for count in periods[:2]:
             runs.append(run_on_fake_tensors(script_path, argv, world_size, gpu, any_batch_size,
                                             cut=partial(cut_for_probe, periods_kept=count)))

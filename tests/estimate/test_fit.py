@@ -192,6 +192,50 @@ def test_lines_printed_at_once_by_the_workers_and_the_parent_stay_whole(tmp_path
     assert [joined, unbuffered] == ["words and their newline", "unbuffered again: True"]
 
 
+
+FREEZING = """import gc
+import weakref
+from estimate.collector import frozen
+from estimate.output import worker_pool
+
+def left_frozen():  # in a worker: what the pool's block froze, and its runs' blocks inside it
+    before = gc.get_freeze_count()
+    with frozen():
+        pass
+    return before > 0 and gc.get_freeze_count() >= before
+
+def is_frozen(thing):  # (the collector's generations list all it tracks but the frozen)
+    return not any(each is thing for each in gc.get_objects())
+
+class Node:
+    pass
+
+cycle = Node()
+cycle.itself = cycle  # garbage the outermost block frees before it freezes
+cycle = weakref.ref(cycle)
+before = []
+with frozen():
+    with frozen():
+        pass
+    print(cycle() is None, is_frozen(before), gc.get_freeze_count() > 0)
+print(is_frozen(before), gc.get_freeze_count())
+with worker_pool(2, lambda: "") as pool:
+    print(pool.submit(left_frozen).result(), gc.get_freeze_count() > 0)
+print(gc.get_freeze_count())
+"""
+
+
+def test_frozen_blocks_nest_and_only_the_outermost_thaws(tmp_path):
+    """estimate/collector.py counts its blocks instead of asking gc.get_freeze_count() (a walk of
+    every frozen object): an inner block (a fake run inside the workers' pool, a test's run inside
+    its module's block) must leave what the outer one froze frozen, and the outermost thaw all."""
+    program = tmp_path / "freezing.py"
+    program.write_text(FREEZING)
+    done = subprocess.run([sys.executable, str(program)], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["True", "True", "True", "False", "0", "True", "True", "0"]
+
 def two_phase(micro):
     """A made-up step whose peak is the larger of two lines (the optimizer's step, flat, and
     backward, steep), with a reserve rounded up to 2 MB segments: what real peaks look like."""

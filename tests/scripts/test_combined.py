@@ -3,7 +3,6 @@ switch set (steps.py) trains as the script does; every pair of switches trains, 
 one line its table of refusals gives, naming both."""
 import ast
 import dataclasses
-import gc
 import itertools
 import math
 import os
@@ -20,6 +19,7 @@ import common.presets
 from common.memory import is_compiled
 from common.model import offloads_to_host, transformer_blocks
 from conftest import QUICK, TEXT, assert_follows, load_script, run_script, script_path, unevaluated
+from estimate.collector import frozen
 from steps import STEPS, import_script
 from support.tags import TAGS, has_tag, switch_pairs
 
@@ -202,12 +202,8 @@ def smallest_shapes_one_thread_and_each_data_set_read_once():
             **decoders["tiny-text"], "config": smallest(decoders["tiny-text"]["config"])})
         for name in ("digits_datasets", "movie_snippet_datasets"):
             patch.setattr(common.data, name, read_once(getattr(common.data, name)))
-        gc.collect()
-        gc.freeze()
-        try:
+        with frozen():
             yield
-        finally:
-            gc.unfreeze()
     torch.set_num_threads(threads)
 
 
