@@ -15,6 +15,8 @@ import torch._functorch.config
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import _DISPATCH_META_HANDLERS, FakeTensor, FakeTensorMode
+from torch.distributed._tools import fsdp2_mem_tracker, mem_tracker
+from torch.utils._pytree import tree_map_only
 
 from estimate.contract import EstimateError
 from estimate.gpu_choices import foreach_as_on_cuda
@@ -315,6 +317,37 @@ def compiled_graphs_run_by_operations(fused):
     finally:
         wrapper.__call__, module.__call__ = generating, calling
         forget_compiled()
+
+
+def each_tensor(kind, function, tree):
+    """tree_map_only(kind, function, tree) as MemTracker and FSDPMemTracker call it, on every
+    operation's output and every module's inputs: for `function`'s calls alone, its result
+    unused. An output is most often a tensor or a tuple of tensors, walked here without
+    flattening and rebuilding the tree (a tenth of a fake run); any other tree goes to
+    tree_map_only, which calls `function` on the same tensors in the same order."""
+    if isinstance(tree, torch.Tensor):
+        function(tree)
+    elif type(tree) in (tuple, list) and all(isinstance(item, torch.Tensor) or item is None
+                                             for item in tree):
+        for item in tree:
+            if item is not None:
+                function(item)
+    else:
+        tree_map_only(kind, function, tree)
+
+
+@contextmanager
+def outputs_walked_directly():
+    """While inside, the trackers' walk over tensors is each_tensor (their result is unused at
+    every call: torch/distributed/_tools/mem_tracker.py, fsdp2_mem_tracker.py)."""
+    modules = (mem_tracker, fsdp2_mem_tracker)
+    for module in modules:
+        module.tree_map_only = each_tensor
+    try:
+        yield
+    finally:
+        for module in modules:
+            module.tree_map_only = tree_map_only
 
 
 def for_fake_tensors(tracker):

@@ -8,13 +8,15 @@ events. Predicting a GPU needs the order: to replay it through a model of the ca
 event, with the host-side storages a GPU's run pins marked PINNED (replay/trace.py says which).
 """
 import itertools
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 
 import torch
 from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType, _UpdateType
 
 from estimate.replay.trace import ALLOC, FREE, HOST_SIDE, LABEL, OFFLOADED, PINNED, RESIZE
+
+TO_COPY = torch.ops.aten._to_copy.default
 
 
 class AllocationTrace:
@@ -96,9 +98,11 @@ class AllocationTrace:
 
         def copying_out(dispatch):
             def dispatched(tracker, func, types, args=(), kwargs=None):
-                out = func is torch.ops.aten._to_copy.default and copies_to_the_host(args, kwargs)
-                with trace.pinning() if out else nullcontext():
-                    return dispatch(tracker, func, types, args, kwargs)
+                if func is TO_COPY and copies_to_the_host(args, kwargs):
+                    with trace.pinning():
+                        return dispatch(tracker, func, types, args, kwargs)
+                return dispatch(tracker, func, types, args, kwargs)  # (every operation: no
+                # context manager made for the rest)
             return dispatched
 
         def with_host_weights(tracker, *objects):

@@ -30,6 +30,7 @@ from estimate.fake.patches import (
     cuda_optimizer_defaults,
     device_meshes_made_for_real,
     dropout_as_on_cuda,
+    outputs_walked_directly,
     position_ids_of_one_sequence,
     process_group_only_through_init_distributed,
     quantization_maps_computed_once,
@@ -170,6 +171,7 @@ def fake_run(script_path, argv, world_size, gpu, any_batch_size, every_micro_bat
         stack.enter_context(quantization_maps_computed_once())
         stack.enter_context(position_ids_of_one_sequence())
         stack.enter_context(run.trace.recording())
+        stack.enter_context(outputs_walked_directly())
         stack.enter_context(process_group_only_through_init_distributed(Path(script_path).name))
         stack.enter_context(launched_as(world_size))
         messages = io.StringIO()
