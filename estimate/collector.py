@@ -18,11 +18,11 @@ def frozen(collect=True):
     `collect`, garbage is freed first (frozen, it would wait for the thaw): a full scan in the
     outermost block, in an inner one a scan of what was made since the last freeze only."""
     global depth
-    if collect:
-        gc.collect()
-    gc.freeze()
-    depth += 1
+    depth += 1  # (first: a Ctrl-C after the freeze must find the count that thaws it)
     try:
+        if collect:
+            gc.collect()
+        gc.freeze()
         yield
     finally:
         depth -= 1

@@ -323,9 +323,11 @@ def each_tensor(kind, function, tree):
     """tree_map_only(kind, function, tree) as MemTracker and FSDPMemTracker call it, on every
     operation's output and every module's inputs: for `function`'s calls alone, its result
     unused. An output is most often a tensor or a tuple of tensors, walked here without
-    flattening and rebuilding the tree (a tenth of a fake run); any other tree goes to
-    tree_map_only, which calls `function` on the same tensors in the same order."""
-    if isinstance(tree, torch.Tensor):
+    flattening and rebuilding the tree (a tenth of a fake run); any other tree (or kind) goes
+    to tree_map_only, which calls `function` on the same tensors in the same order."""
+    if kind is not torch.Tensor:
+        tree_map_only(kind, function, tree)
+    elif isinstance(tree, torch.Tensor):
         function(tree)
     elif type(tree) in (tuple, list) and all(isinstance(item, torch.Tensor) or item is None
                                              for item in tree):
@@ -340,14 +342,14 @@ def each_tensor(kind, function, tree):
 def outputs_walked_directly():
     """While inside, the trackers' walk over tensors is each_tensor (their result is unused at
     every call: torch/distributed/_tools/mem_tracker.py, fsdp2_mem_tracker.py)."""
-    modules = (mem_tracker, fsdp2_mem_tracker)
-    for module in modules:
+    before = {module: module.tree_map_only for module in (mem_tracker, fsdp2_mem_tracker)}
+    for module in before:
         module.tree_map_only = each_tensor
     try:
         yield
     finally:
-        for module in modules:
-            module.tree_map_only = tree_map_only
+        for module, walk in before.items():
+            module.tree_map_only = walk
 
 
 def for_fake_tensors(tracker):

@@ -128,9 +128,17 @@ def run_on_fake_tensors(script_path, argv, world_size=1, gpu=gpu_choices.DEFAULT
     `fused`: what torch.compile compiles runs with its pointwise operations fused, or without
     (estimate/compiled.py).
     """
+    # the scripts' modules of earlier runs out of sys.modules (where the run's kept files are read
+    # from: shortcuts/cache.py), so garbage now: their globals hold their runs' stand-ins, and so
+    # their runs, which frozen alive as this run starts would never be freed in a worker
+    for name in [name for name in sys.modules if name.startswith(f"_{ESTIMATED}_")]:
+        del sys.modules[name]
     with frozen():  # (estimate/collector.py)
         return fake_run(script_path, argv, world_size, gpu, any_batch_size, every_micro_batch,
                         cut, wants_cuda_emulation(argv), fused)
+
+
+ESTIMATED = "estimated"  # a script's module is loaded as _estimated_<its stem> (steps.import_script)
 
 
 def fake_run(script_path, argv, world_size, gpu, any_batch_size, every_micro_batch, cut,
@@ -139,7 +147,7 @@ def fake_run(script_path, argv, world_size, gpu, any_batch_size, every_micro_bat
     run = FakeRun(script=Path(script_path).stem, emulate_cuda=emulate_cuda, gpu=gpu,
                   any_batch_size=any_batch_size, cut=cut,
                   gpu_read=gpu_choices.ReadGpu(gpu_choices.GPUS[gpu]))
-    module = import_script(script_path, prefix="estimated")
+    module = import_script(script_path, prefix=ESTIMATED)
     check_contract(module, Path(script_path).name)
     names = required_names(module)
     replacements = StandIns(run, world_size).by_name(names.keys() - REQUIRED_WHEN_4BIT.keys())

@@ -71,6 +71,33 @@ def test_the_recorded_order_replays_to_memtrackers_own_peak():
     assert replayed.breakdown_bytes == run.meter_result["breakdown_bytes"]
 
 
+
+def test_a_workers_runs_leave_nothing_frozen_of_the_run_before(monkeypatch):
+    """A worker of the estimate's pool runs one fake run after another inside the pool's frozen
+    block, and each run freezes what lives as it starts (estimate/collector.py): the run before
+    must then be garbage, its script's module (whose globals hold the run's stand-ins)
+    out of sys.modules, or it would be frozen, and kept, for the life of the worker."""
+    import gc
+    import weakref
+
+    import estimate.fake.run
+    from estimate.collector import frozen
+    loaded = []
+
+    def import_script(*args, **kwargs):
+        module = real_import_script(*args, **kwargs)
+        loaded.append(weakref.ref(module.main))  # (in a cycle: through its __globals__)
+        return module
+
+    real_import_script = estimate.fake.run.import_script
+    monkeypatch.setattr(estimate.fake.run, "import_script", import_script)
+    with frozen(collect=False):  # as output.worker_pool holds it around the workers
+        for _ in range(3):
+            run_on_fake_tensors(script_path("05"), NO_EMULATION)
+        gc.collect()
+        # the last run's module stays in sys.modules, where the files it loaded are read from
+        assert [main() is None for main in loaded] == [True, True, False]
+
 @pytest.mark.parametrize("name", ["01", "02", "04", "08"])
 def test_reserved_is_never_below_allocated(name):
     record = predict(script_path(name), [], world_size=2)
