@@ -165,7 +165,8 @@ def earlier_objects_frozen():
     """A run collects garbage before it measures creation (common/memory.py), and a full
     collection scans every object Python tracks: about 0.25 s in a worker that has imported
     torch, transformers and the scripts, two or three times per run and estimate. What lives as
-    a test starts is frozen, so its collections scan only what the test makes; thawed after it.
+    a test starts is frozen, so its collections scan only what the test makes; thawed after it
+    (unless a module's block holds it frozen: estimate/collector.py).
     Every COLLECT_EVERY tests a full collection first frees what earlier tests left."""
     global tests_started
     collect = tests_started % COLLECT_EVERY == 0

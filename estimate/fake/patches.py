@@ -259,6 +259,22 @@ def process_group_only_through_init_distributed(script_name):
 
 
 @contextmanager
+def sharded_classes_forgotten(script_module):
+    """fully_shard() gives each class it shards a subclass, kept in a dict for the process's
+    life (get_cls_to_fsdp_cls, in torch.distributed.fsdp._fully_shard). A class the script defines (09's
+    CheckpointedBlock) is defined anew by each run's fresh module, and kept there it would keep
+    that module, its stand-ins and its run alive in a worker that runs hundreds: its entries
+    go when the run ends."""
+    try:
+        yield
+    finally:
+        from torch.distributed.fsdp._fully_shard._fully_shard import get_cls_to_fsdp_cls
+        classes = get_cls_to_fsdp_cls()
+        for defined in [defined for defined in classes if defined.__module__ == script_module]:
+            del classes[defined]
+
+
+@contextmanager
 def position_ids_of_one_sequence():
     """transformers' test for packed sequences answered for fake position ids as for real ones.
     A decoder given no attention mask (--pack) asks whether its position ids restart within a

@@ -35,6 +35,7 @@ from estimate.fake.patches import (
     process_group_only_through_init_distributed,
     quantization_maps_computed_once,
     reduce_scatters_copying_their_input,
+    sharded_classes_forgotten,
     sharding_propagation_apart,
     swappable_fake_parameters,
 )
@@ -115,6 +116,9 @@ def without_estimate_flag(argv):
     return [arg for arg in argv if arg != "--estimate"]
 
 
+ESTIMATED = "estimated"  # a script's module is loaded as _estimated_<its stem> (steps.import_script)
+
+
 def run_on_fake_tensors(script_path, argv, world_size=1, gpu=gpu_choices.DEFAULT_GPU,
                         any_batch_size=False, every_micro_batch=False, cut=None, fused=True):
     """Run the script's main(argv) for two optimizer steps on fake tensors; returns a FakeRun.
@@ -136,9 +140,6 @@ def run_on_fake_tensors(script_path, argv, world_size=1, gpu=gpu_choices.DEFAULT
     with frozen():  # (estimate/collector.py)
         return fake_run(script_path, argv, world_size, gpu, any_batch_size, every_micro_batch,
                         cut, wants_cuda_emulation(argv), fused)
-
-
-ESTIMATED = "estimated"  # a script's module is loaded as _estimated_<its stem> (steps.import_script)
 
 
 def fake_run(script_path, argv, world_size, gpu, any_batch_size, every_micro_batch, cut,
@@ -182,6 +183,7 @@ def fake_run(script_path, argv, world_size, gpu, any_batch_size, every_micro_bat
         stack.enter_context(outputs_walked_directly())
         stack.enter_context(process_group_only_through_init_distributed(Path(script_path).name))
         stack.enter_context(launched_as(world_size))
+        stack.enter_context(sharded_classes_forgotten(module.__name__))
         messages = io.StringIO()
         try:
             with redirect_stderr(messages):

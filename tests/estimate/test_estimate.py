@@ -4,9 +4,11 @@ The key claim, that with no GPU emulation (--device cpu) the estimate equals the
 of the same script measures (the fake run executes the script's own code), is tested on every
 architecture and step in tests/scripts/test_architectures.py.
 """
+import gc
 import json
 import subprocess
 import sys
+import weakref
 
 import pytest
 import torch
@@ -15,8 +17,10 @@ from common.model import model_class, model_config
 from common.presets import PRESETS
 from conftest import ROOT, TEXT, load_script, model_state_bytes, script_path
 from estimate.check import estimate
+from estimate.collector import frozen
 from estimate.command import main as estimate_table
 from estimate.command import run_rows
+from estimate.fake import run as fake_runs
 from estimate.fake.run import EstimateError, run_on_fake_tensors
 from estimate.gpu_choices import CUBLAS_WORKSPACE_BYTES, CUBLAS_WORKSPACES, GPUS
 from estimate.predict import Row, predict
@@ -71,17 +75,12 @@ def test_the_recorded_order_replays_to_memtrackers_own_peak():
     assert replayed.breakdown_bytes == run.meter_result["breakdown_bytes"]
 
 
-
-def test_a_workers_runs_leave_nothing_frozen_of_the_run_before(monkeypatch):
+@pytest.mark.parametrize("script, world_size", [("05", 1), ("09", 2)])
+def test_a_workers_runs_leave_nothing_frozen_of_the_run_before(script, world_size, monkeypatch):
     """A worker of the estimate's pool runs one fake run after another inside the pool's frozen
     block, and each run freezes what lives as it starts (estimate/collector.py): the run before
-    must then be garbage, its script's module (whose globals hold the run's stand-ins)
-    out of sys.modules, or it would be frozen, and kept, for the life of the worker."""
-    import gc
-    import weakref
-
-    import estimate.fake.run
-    from estimate.collector import frozen
+    must then be garbage, its script's module (whose globals hold the run's stand-ins) out of
+    sys.modules, or it would be frozen, and kept, for the life of the worker."""
     loaded = []
 
     def import_script(*args, **kwargs):
@@ -89,14 +88,15 @@ def test_a_workers_runs_leave_nothing_frozen_of_the_run_before(monkeypatch):
         loaded.append(weakref.ref(module.main))  # (in a cycle: through its __globals__)
         return module
 
-    real_import_script = estimate.fake.run.import_script
-    monkeypatch.setattr(estimate.fake.run, "import_script", import_script)
+    real_import_script = fake_runs.import_script
+    monkeypatch.setattr(fake_runs, "import_script", import_script)
     with frozen(collect=False):  # as output.worker_pool holds it around the workers
         for _ in range(3):
-            run_on_fake_tensors(script_path("05"), NO_EMULATION)
+            run_on_fake_tensors(script_path(script), NO_EMULATION, world_size)
         gc.collect()
         # the last run's module stays in sys.modules, where the files it loaded are read from
         assert [main() is None for main in loaded] == [True, True, False]
+
 
 @pytest.mark.parametrize("name", ["01", "02", "04", "08"])
 def test_reserved_is_never_below_allocated(name):

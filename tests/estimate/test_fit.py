@@ -192,7 +192,6 @@ def test_lines_printed_at_once_by_the_workers_and_the_parent_stay_whole(tmp_path
     assert [joined, unbuffered] == ["words and their newline", "unbuffered again: True"]
 
 
-
 FREEZING = """import gc
 import weakref
 from estimate.collector import frozen
@@ -235,6 +234,7 @@ def test_frozen_blocks_nest_and_only_the_outermost_thaws(tmp_path):
                           timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split() == ["True", "True", "True", "False", "0", "True", "True", "0"]
+
 
 def two_phase(micro):
     """A made-up step whose peak is the larger of two lines (the optimizer's step, flat, and
