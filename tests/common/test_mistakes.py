@@ -388,10 +388,13 @@ def test_ctrl_c_in_the_estimate_stops_its_workers_and_says_so(tmp_path, flags, m
 
 def test_ctrl_c_after_the_answer_leaves_it_on_screen(tmp_path):
     """--gpu-memory prints the stack's answer before the table's rows are estimated: Ctrl-C then
-    stops the rows (one at a time, in this process) and the answer stays above its one line."""
+    stops the rows (one at a time, in this process) and the answer stays above its one line.
+    Three rows and their searches after it: with one, a fast machine finished the work before
+    the interrupt arrived."""
     status, output = interrupt_after(
         [sys.executable, "-m", "estimate", "--preset", "tiny", "--gpu-memory", "1GB", "--steps",
-         "04_grad_accum", "--jobs", "1", "--results-dir", str(tmp_path)], "with adapters", 300)
+         "04_grad_accum", "05_sgd_cosine", "06_on_device_init", "--jobs", "1", "--results-dir",
+         str(tmp_path)], "with adapters", 300)
     assert status != 0  # a traceback only where Python dropped an interrupt (interrupt_after)
     assert output.count("Traceback (most recent call last)") == output.count("Exception ignored in")
     answer = output.index("The stack: bf16 fits batch 64")
