@@ -57,7 +57,7 @@ def run_for(row, learned=None):
     """The fake run a row asks for, as a KeptRun (shortcuts/cache.py): by blocks where the model's
     blocks repeat, else whole; compiled, with its unfused bound where asked. `learned`: what a
     run of the same row at another micro-batch size kept of its probes (KeptRun.learned): its
-    two smaller probes alone are then run at this size, where their events allow."""
+    middle probe alone is then run at this size, where its events allow (from_one_probe)."""
     if "estimate.fake.run" not in sys.modules:  # imported where a run is made: a kept run's answer
         # needs no fake tensors, no tracker. In a worker forked before it was imported, what the
         # import made is frozen for the garbage collector, as output.worker_pool froze the rest
@@ -72,7 +72,7 @@ def run_for(row, learned=None):
     by_blocks = wants_cuda_emulation(argv) and not (exact or snapshot or compiles(script_path, argv))
     made = None  # the probes run_at_another_size ran, where its rules did not hold
     if by_blocks and learned:
-        try:  # two probes, the rules of another size's (shortcuts/blocks.py)
+        try:  # one probe, the rules of another size's (shortcuts/blocks.py)
             run = run_at_another_size(script_path, argv, world_size, gpu, any_batch_size, learned)
         except Exception as problem:  # noqa: BLE001 - NotByBlocks, or a probe's failure: all the probes
             made = getattr(problem, "probes", None)
@@ -190,6 +190,12 @@ def shards(script_path, argv=(), world_size=1):
     return step.sharded or step.combined and ("--offload" in argv or world_size > 1)
 
 
+def from_one_probe(kept):
+    """Whether a run was written from one probe and another size's rules (shortcuts/blocks.py,
+    run_at_another_size): a size of a search, which only its line of sizes checks."""
+    return bool(kept.blocks) and len(kept.blocks[1]) == 1
+
+
 def failure_message(error, script, argv=()):
     """One paragraph for a failed estimate: what went wrong and where (and with which model,
     under --model: an architecture may do what fake tensors cannot, such as branching on values)."""
@@ -220,15 +226,16 @@ def attempt(row, learned=None):
     return (record_of(kept, row.gpu, row.snapshot) if kept else None), problem, seconds
 
 
-def attempt_run(row, run=True, learned=None):
+def attempt_run(row, run=True, learned=None, one_probe=False):
     """(KeptRun, None, seconds) or (None, message, seconds), as attempt: the row's fake run,
     kept from an earlier one (shortcuts/cache.py) where one still holds, else made (run_for, with
-    `learned`) and kept (unless not `run`: then (None, None, None))."""
+    `learned`) and kept (unless not `run`: then (None, None, None)). A kept run written from one
+    probe (from_one_probe) stands only where `learned` or `one_probe` allows one."""
     start = time.perf_counter()
     name = cache.key(row, row.exact or os.environ.get(EXACT_VARIABLE) == "1")
     emulated = GPUS[row.gpu] if wants_cuda_emulation(row.argv) else None
     kept = name and cache.load(name, emulated)
-    if kept:
+    if kept and (learned or one_probe or not from_one_probe(kept)):
         return kept, None, None
     if not run:
         return None, None, None

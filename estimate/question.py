@@ -7,12 +7,16 @@ A Question keeps what answers it: the runs made or found for it (kept on disk by
 with their sizes, which a later question with another capacity or GPU finds), and the line of
 traces through them (shortcuts/sizes.py), from which a size between is written and replayed
 instead of run. Which sizes are asked is the search's to decide (search/grid.py).
+
+By blocks, a size after the first is run as the middle probe alone (shortcuts/blocks.py), which
+only the line checks: where the runs make no line, those runs are made again from all the
+probes (unchecked), and so is every later one.
 """
 from functools import cached_property
 from pathlib import Path
 
 from estimate.gpu_choices import DEFAULT_GPU
-from estimate.predict import Row, attempt, attempt_run, compiles, record_of, replayed
+from estimate.predict import Row, attempt, attempt_run, compiles, from_one_probe, record_of, replayed
 from estimate.shortcuts import cache
 from estimate.shortcuts.sizes import SMALLEST, Family, NotBySizes, canonical
 
@@ -36,6 +40,7 @@ class Question:
         self.runs = {}  # {micro-batch: KeptRun} made or found for this question
         self.line = None  # the Family of traces through the runs (draw_line)
         self.written = {}  # {micro-batch: reserved bytes} of traces written from the line
+        self.one_probe = True  # later sizes from the middle probe (learned_for), until unchecked
 
     @property
     def name(self):
@@ -59,15 +64,15 @@ class Question:
 
     def answer(self, micro):
         """(record, None, seconds) or (None, problem, seconds) at `micro`, as predict.attempt
-        gives them (by blocks, from two probes where learned_for allows): a failure
+        gives them (by blocks, from one probe where learned_for allows): a failure
         is an answer, not an exception."""
         return attempt(self.row(micro), learned=self.learned_for(micro))
 
     def learned_for(self, micro):
         """What a run of this question at another size kept of its probes, from which `micro` is
-        written with its two smaller probes alone (predict.run_for), or None. Sizes below SMALLEST make
+        written with its middle probe alone (predict.run_for), or None. Sizes below SMALLEST make
         other events (shortcuts/sizes.py): neither side of it."""
-        if micro < SMALLEST:
+        if micro < SMALLEST or not self.one_probe:
             return None
         return next((kept.learned for size, kept in self.runs.items()
                      if kept.learned and size >= SMALLEST), None)
@@ -87,21 +92,21 @@ class Question:
         made again where none was kept) and each an earlier question ran, up to `cap`; returns
         {micro-batch: (allocated, reserved)} of the latter."""
         for micro in known:
-            kept, _, _ = attempt_run(self.asked.get(micro) or self.row(micro))
+            kept, _, _ = attempt_run(self.asked.get(micro) or self.row(micro), one_probe=self.one_probe)
             if kept is not None:
                 self.runs[micro] = kept
         earlier = {}
         for micro in cache.sizes_kept(self.sizes_key) if self.sizes_key else ():
             if micro not in self.runs and micro <= cap:
-                kept, _, _ = attempt_run(self.row(micro), run=False)
+                kept, _, _ = attempt_run(self.row(micro), run=False, one_probe=self.one_probe)
                 if kept is not None:
                     self.runs[micro] = kept
                     earlier[micro] = self.figures(kept)
         return earlier
 
     def estimate(self, micro):
-        """(allocated, reserved) at `micro` from its run, made now unless kept (by blocks, from two
-        probes where learned_for allows), and noted for later questions;
+        """(allocated, reserved) at `micro` from its run, made now unless kept (by blocks, from one
+        probe where learned_for allows), and noted for later questions;
         RuntimeError with the problem where it fails."""
         kept, problem, _ = attempt_run(self.row(micro), learned=self.learned_for(micro))
         if problem:
@@ -127,3 +132,12 @@ class Question:
     def on_line(self, micro):
         """Whether the run at `micro` is the trace the line writes there, event for event."""
         return canonical(self.runs[micro].events) == self.line.written(micro).events
+
+    def unchecked(self):
+        """The sizes whose runs were written from one probe, forgotten: the runs made no line,
+        which was their check; every later run of this question is made from all its probes."""
+        self.one_probe = False
+        sizes = [micro for micro, kept in self.runs.items() if from_one_probe(kept)]
+        for micro in sizes:
+            del self.runs[micro]
+        return sizes

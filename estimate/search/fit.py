@@ -107,6 +107,8 @@ def search(question, capacity, known=None, cap=grid.MAX_MICRO_BATCH, per_sample=
         return found
     except NotBySizes as why:
         found.not_by_sizes = str(why)
+        for micro in question.unchecked():  # made again from all the probes, where tried
+            found.tried.pop(micro, None)
     estimates = search_by_estimates(question, capacity, found.tried, cap, per_sample)
     estimates.not_by_sizes = found.not_by_sizes
     return estimates

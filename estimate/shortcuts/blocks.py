@@ -127,8 +127,8 @@ def by_blocks(script_path, argv, world_size, gpu, any_batch_size, sharded, made=
     counted = [runs[count].meter_result for count in periods]
     counts = {name: linear([found[name] for found in counted], periods, runs[periods[0]].periods)
               for name in ("parameter_count", "parameters_held")}
-    # what another micro-batch size needs to be written from its two smaller probes alone:
-    # theirs here, whose rules the largest has checked (run_at_another_size)
+    # what another micro-batch size needs to be written from its middle probe alone: the two
+    # smaller probes' traces here, whose rules the largest has checked (run_at_another_size)
     learned = {"periods": list(periods), "counts": counts,
                "traces": [marked(runs[count]) for count in periods[:2]]}
     whole = written(runs[periods[-1]], events, counts, [runs[count].blocks[1] for count in periods])
@@ -152,25 +152,22 @@ def written(run, events, counts, probes):
 
 
 def run_at_another_size(script_path, argv, world_size, gpu, any_batch_size, learned):
-    """A FakeRun of the whole model as run_by_blocks writes it, from runs of the two smaller
-    probes at this micro-batch size and what `learned` (a KeptRun's, of the same script and
-    flags at another size) keeps of its probes: their traces, whose rules name each storage by
-    its place, not its bytes, and write the smaller probe from the middle one here as the check
-    (synthesis.extend_at_another_size); NotByBlocks where they do not hold at this size, with
-    the two probes run (`probes`: {periods: FakeRun})."""
+    """A FakeRun of the whole model as run_by_blocks writes it, from a run of the middle probe
+    at this micro-batch size and what `learned` (a KeptRun's, of the same script and flags at
+    another size) keeps of its probes: their traces, whose rules name each storage by its place,
+    not its bytes (synthesis.extend_at_another_size). What checks it at this size is the line of
+    sizes the search draws through it and the first size's whole trace (shortcuts/sizes.py).
+    NotByBlocks where the rules do not hold at this size, with the probe run (`probes`:
+    {periods: FakeRun})."""
     periods = learned["periods"]
-    runs = []
     with frozen():
-        for count in periods[:2]:
-            runs.append(run_on_fake_tensors(script_path, argv, world_size, gpu, any_batch_size,
-                                            cut=partial(cut_for_probe, periods_kept=count)))
-            if runs[-1].blocks is None:
-                raise NotByBlocks("the script created no model from a config")
-    smallest, middle = runs
+        middle = run_on_fake_tensors(script_path, argv, world_size, gpu, any_batch_size,
+                                     cut=partial(cut_for_probe, periods_kept=periods[1]))
+    if middle.blocks is None:
+        raise NotByBlocks("the script created no model from a config")
     try:
-        events = extend_at_another_size(learned["traces"], periods, middle.periods,
-                                        marked(smallest), marked(middle))
+        events = extend_at_another_size(learned["traces"], periods, middle.periods, marked(middle))
     except NotByBlocks as problem:
-        problem.probes = dict(zip(periods, runs))  # for run_by_blocks, which runs the third
+        problem.probes = {periods[1]: middle}  # for run_by_blocks, which runs the other two
         raise
-    return written(middle, events, dict(learned["counts"]), [run.blocks[1] for run in runs])
+    return written(middle, events, dict(learned["counts"]), [middle.blocks[1]])

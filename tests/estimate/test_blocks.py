@@ -2,16 +2,17 @@
 a model's blocks written out to all of them give the bytes of the run of the whole model, which
 --exact runs."""
 import re
+from dataclasses import field, make_dataclass
 from types import SimpleNamespace
 
 import pytest
 
 from conftest import script_path
-from estimate.predict import Row, predict, record_of, run_for
+from estimate.predict import Row, attempt_run, from_one_probe, predict, record_of, run_for
 from estimate.question import Question
 from estimate.search.fit import search
 from estimate.search.grid import next_size
-from estimate.shortcuts import blocks, synthesis
+from estimate.shortcuts import blocks, sizes, synthesis
 from steps import STEPS
 from support.architecture_matrix import ARCHITECTURES, model_flags, write_model
 
@@ -109,11 +110,11 @@ def test_a_model_too_short_to_gain_runs_whole(tmp_path):
     ("04", []), ("07", []),
     ("10", ["--optimizer", "adamw-8bit", "--checkpointing", "selective", "--loss", "chunked"]),
 ], ids=["04", "07", "10-8bit-selective-chunked"])
-def test_another_size_is_written_from_its_two_smaller_probes_to_the_byte(
+def test_another_size_is_written_from_its_middle_probe_to_the_byte(
         script, switches, tmp_path, probes_from_three_periods, monkeypatch):
-    """A search's later sizes: the two smaller probes run at that size, and the rules the three
+    """A search's later sizes: the middle probe runs at that size, and the rules the three
     probes gave at the first size write it out; the same bytes as the whole run. Where the
-    rules do not hold at that size, the third probe runs too."""
+    rules do not hold at that size, the other two probes run too."""
     folder = deeper(tmp_path / "llama", "Llama", BLOCKS)
     world_size = 2 if STEPS[script].sharded else 1
 
@@ -128,21 +129,21 @@ def test_another_size_is_written_from_its_two_smaller_probes_to_the_byte(
     monkeypatch.setattr(blocks, "run_on_fake_tensors",
                         lambda *args, **kwargs: ran.append(kwargs["cut"]) or probe(*args, **kwargs))
     written = run_for(row(6), learned)
-    assert len(ran) == 2 and written.blocks == [BLOCKS, learned["periods"][:2]]
+    assert len(ran) == 1 and written.blocks == [BLOCKS, learned["periods"][1:2]]
     whole = predict(row(6).script, row(6).argv, world_size=world_size, exact=True)
     assert {key: record_of(written)[key] for key in COMPARED} == {key: whole[key] for key in COMPARED}
     if script == "04":  # the middle probe's trace at the first size, an event short
         learned["traces"][1] = learned["traces"][1][:-1]
         again = run_for(row(6), learned)
-        assert len(ran) == 2 + 2 + 1 and again.blocks[1] == [2, 3, 4]  # (the two not run again)
+        assert len(ran) == 1 + 1 + 2 and again.blocks[1] == [2, 3, 4]  # (the middle not run again)
         assert {key: record_of(again)[key] for key in COMPARED} == {
             key: whole[key] for key in COMPARED}
 
 
-def test_a_search_by_blocks_runs_two_probes_at_each_size_after_its_first(tmp_path, monkeypatch,
-                                                                          probes_from_three_periods):
-    """The search's second size and its check, by blocks: the two smaller probes alone each,
-    and the size written next to the answer is the whole run's to the byte."""
+def test_a_search_by_blocks_runs_one_probe_at_each_size_after_its_first(tmp_path, monkeypatch,
+                                                                         probes_from_three_periods):
+    """The search's second size and its check, by blocks: the middle probe alone each, and the
+    size written next to the answer is the whole run's to the byte."""
     monkeypatch.setenv("ESTIMATE_CACHE", str(tmp_path / "kept"))
     folder = deeper(tmp_path / "llama", "Llama", BLOCKS)
     flags = [*model_flags(folder, "Llama"), "--task", "causal-lm", "--device", "cuda"]
@@ -152,13 +153,46 @@ def test_a_search_by_blocks_runs_two_probes_at_each_size_after_its_first(tmp_pat
     question = Question(script_path("04"), flags)
     found = search(question, capacity, known)
     assert found.problem is None and found.not_by_sizes is None and found.estimated == 1
-    assert [question.runs[size].blocks[1] for size in (2, 64, found.largest)] == [[2, 3, 4], [2, 3], [2, 3]]
+    assert [question.runs[size].blocks[1] for size in (2, 64, found.largest)] == [[2, 3, 4], [3], [3]]
     beyond = next_size(found.largest)
     written = record_of(question.line.written(beyond))
     assert found.tried[found.largest][1] <= capacity < written["reserved_bytes"]
     row = question.row(beyond)
     exact = predict(row.script, row.argv, any_batch_size=True, exact=True)
     assert {key: written[key] for key in COMPARED[:-2]} == {key: exact[key] for key in COMPARED[:-2]}
+
+
+def test_bytes_of_the_blocks_and_the_size_together_run_every_probe_again(tmp_path, monkeypatch,
+                                                                         probes_from_three_periods):
+    """A storage of 16 bytes a block and a sample, 512 at least (a count the code rounds up): at 2
+    samples the three probes and the 6 blocks hold 512 (the rules hold), at 64 the middle probe
+    3,072 bytes and the 6 blocks 6,144, which one probe cannot show. The sizes run make no line,
+    so the sizes run from one probe are run again from all three (whose check fails: the model
+    runs whole), and every figure the search answers with is the whole run's."""
+    monkeypatch.setenv("ESTIMATE_CACHE", str(tmp_path / "kept"))
+    folder = deeper(tmp_path / "llama", "Llama", BLOCKS)
+    source = script_path("04").read_text()
+    line = "        loss.backward()\n"
+    planted = tmp_path / "04_planted.py"
+    held = ("        held = torch.empty(max(128, len(micro_labels) * model.config.num_hidden_layers * 4), "
+            "device=micro_labels.device)\n")
+    planted.write_text(source.replace(line, line + held, 1))
+    assert planted.read_text() != source
+    flags = [*model_flags(folder, "Llama"), "--task", "causal-lm", "--device", "cuda"]
+    question = Question(planted, flags)
+    known = {size: question.estimate(size) for size in (2, 64)}
+    assert [question.runs[size].blocks for size in (2, 64)] == [[BLOCKS, [2, 3, 4]], [BLOCKS, [3]]]
+    capacity = (known[2][1] + known[64][1]) // 2
+    question = Question(planted, flags)
+    found = search(question, capacity, known)
+    assert found.problem is None and found.not_by_sizes and 2 < found.largest < 64
+    assert not question.one_probe and set(found.tried) > {2}
+    for size, figures in found.tried.items():
+        row = question.row(size)
+        kept, _, _ = attempt_run(row, run=False)
+        assert kept is not None and not from_one_probe(kept)
+        exact = predict(row.script, row.argv, any_batch_size=True, exact=True)
+        assert (size, figures) == (size, (exact["allocated_bytes"], exact["reserved_bytes"]))
 
 
 def sized_trace(count, size, tally=0):
@@ -175,30 +209,40 @@ def sized_trace(count, size, tally=0):
     return events + [("free", storage) for storage in range(number - 1, 0, -1)]
 
 
-def test_another_size_is_written_from_its_two_smaller_probes_by_the_first_sizes_rules():
+def test_another_size_is_written_from_its_middle_probe_by_the_first_sizes_rules():
     smaller = [sized_trace(2, 1), sized_trace(3, 1)]
-    written = synthesis.extend_at_another_size(smaller, [2, 3, 4], 9, sized_trace(2, 5),
-                                               sized_trace(3, 5))
+    written = synthesis.extend_at_another_size(smaller, [2, 3, 4], 9, sized_trace(3, 5))
     assert synthesis.renumbered(written) == synthesis.renumbered(sized_trace(9, 5))
     other = sized_trace(3, 5)[:-1]  # an event fewer at this size: refused
     with pytest.raises(synthesis.NotByBlocks, match="other events"):
-        synthesis.extend_at_another_size(smaller, [2, 3, 4], 9, sized_trace(2, 5), other)
+        synthesis.extend_at_another_size(smaller, [2, 3, 4], 9, other)
     unlike = sized_trace(3, 5)
     unlike[2] = ("alloc", 2, 65 * 5, "cpu", "Activation")  # one copy's bytes off the others'
     with pytest.raises(synthesis.NotByBlocks, match="copies differ"):
-        synthesis.extend_at_another_size(smaller, [2, 3, 4], 9, sized_trace(2, 5), unlike)
+        synthesis.extend_at_another_size(smaller, [2, 3, 4], 9, unlike)
 
 
-def test_bytes_that_grow_with_the_blocks_only_past_the_first_size_are_caught_at_the_second():
-    """A storage of 7 bytes a block and a sample, 64 at least: at one sample the probes of 2, 3
-    and 4 blocks hold 64 bytes each (the rules hold, checked), at 5 samples 70 and 105. The
-    middle probe alone would write 105 bytes for 9 blocks (315); the smaller probe is the check."""
-    three = [sized_trace(count, 1, tally=7) for count in (2, 3, 4)]
-    assert synthesis.renumbered(synthesis.extend(three, [2, 3, 4], 9)) == synthesis.renumbered(
-        sized_trace(9, 1, tally=7))
-    with pytest.raises(synthesis.NotByBlocks, match="smallest probe"):
-        synthesis.extend_at_another_size(three[:2], [2, 3, 4], 9, sized_trace(2, 5, tally=7),
-                                         sized_trace(3, 5, tally=7))
+def test_bytes_that_grow_with_the_blocks_only_past_the_first_size_break_the_line_of_sizes():
+    """A storage of 3 bytes a block and a sample, 64 at least: at 2 samples the probes of 2, 3
+    and 4 blocks hold 64 bytes each (the rules hold, checked, and 9 blocks hold 64 too), at 8
+    and 12 samples the middle probe holds 72 and 108, which it writes for 9 blocks (216 and 324).
+    No probe at those sizes shows it; the three sizes are no line of traces, so the search runs
+    its sizes from all three probes instead (as the test before shows on a script)."""
+    three = [sized_trace(count, 2, tally=3) for count in (2, 3, 4)]
+    first = synthesis.extend(three, [2, 3, 4], 9)
+    assert synthesis.renumbered(first) == synthesis.renumbered(sized_trace(9, 2, tally=3))
+    later = {size: synthesis.extend_at_another_size(three[:2], [2, 3, 4], 9, sized_trace(3, size, tally=3))
+             for size in (8, 12)}
+    assert later[8] != synthesis.renumbered(sized_trace(9, 8, tally=3))  # (not seen by one size)
+
+    fields = ["events", *[(name, object, None) for name in (*sizes.SAME, "unfused_events", "batch_bytes")],
+              ("size_choices", tuple, ()), ("blocks", tuple, (9, (3,))),
+              ("record", dict, field(default_factory=dict))]
+    kept = make_dataclass("Kept", fields)  # a KeptRun's fields that a Family reads
+
+    assert sizes.Family({2: kept(first), 8: kept(later[8])})  # two sizes: a line, unchecked
+    with pytest.raises(sizes.NotBySizes):
+        sizes.Family({2: kept(first), 8: kept(later[8]), 12: kept(later[12])})
 
 
 def test_frees_in_the_order_of_a_hash_table_are_written_in_the_order_of_their_storages():
