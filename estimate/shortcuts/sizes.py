@@ -19,7 +19,6 @@ A size beyond the runs (below the smallest, above the largest) is an extrapolati
 confirms its answer there by running it (search/fit.py).
 """
 from dataclasses import replace
-from fractions import Fraction
 
 from estimate.replay.trace import ALLOC, FREE, RESIZE
 
@@ -76,6 +75,16 @@ def model_blocks(kept):
     return kept.blocks and kept.blocks[0]
 
 
+def off_any_line(kept):
+    """Why no line of sizes goes through `kept`, a KeptRun, as the run itself shows (the words),
+    or None: it chose by its size, or it was compiled."""
+    if kept.size_choices:
+        return f"the run chose by its size: {'; '.join(kept.size_choices)}"
+    if kept.compiled or kept.unfused_events is not None:
+        return "compiled: a graph may be compiled again for another size"
+    return None
+
+
 class Family:
     """KeptRuns of one script and setting at several micro-batch sizes, as one line of traces."""
 
@@ -92,17 +101,16 @@ class Family:
         low = points[self.sizes[0]]
         for size in self.sizes:
             kept = points[size]
-            if kept.size_choices:
-                raise NotBySizes(f"the run chose by its size: {'; '.join(kept.size_choices)}")
-            if kept.compiled or kept.unfused_events is not None:
-                raise NotBySizes("compiled: a graph may be compiled again for another size")
+            if off_any_line(kept):
+                raise NotBySizes(off_any_line(kept))
             if any(getattr(kept, name) != getattr(low, name) for name in SAME) \
                     or model_blocks(kept) != model_blocks(low):
                 raise NotBySizes("the runs differ in more than their batch")
             if not alike(self.events[size], self.events[self.sizes[0]]):
                 raise NotBySizes(f"micro-batches of {self.sizes[0]} and {size} make other events")
-        span = self.sizes[-1] - self.sizes[0]
-        self.lines = [(index, Fraction(that[2] - event[2], span), event[2])
+        self.span = self.sizes[-1] - self.sizes[0]
+        # (index, rise over the span, bytes at the smallest size) of each event whose bytes grow
+        self.lines = [(index, that[2] - event[2], event[2])
                       for index, (event, that) in enumerate(zip(self.events[self.sizes[0]],
                                                                 self.events[self.sizes[-1]]))
                       if event[0] in SIZED and event[2] != that[2]]
@@ -112,11 +120,12 @@ class Family:
                                  f"{self.sizes[0]} and {self.sizes[-1]}")
 
     def value(self, line, size):
-        slope, start = line
-        value = start + slope * (size - self.sizes[0])
-        if value.denominator != 1 or value < 0:
+        """The bytes on `line` (rise over the span, bytes at the smallest size) at `size`."""
+        rise, start = line
+        value, remainder = divmod(start * self.span + rise * (size - self.sizes[0]), self.span)
+        if remainder or value < 0:
             raise NotBySizes(f"a byte count is not a whole number at micro-batch {size}")
-        return int(value)
+        return value
 
     def written(self, size, check=False):
         """The KeptRun at micro-batch `size`, written from the line (its frees in canonical
@@ -125,9 +134,9 @@ class Family:
             return self.points[size]
         low = self.points[self.sizes[0]]
         events = list(self.events[self.sizes[0]])
-        for index, slope, start in self.lines:
+        for index, rise, start in self.lines:
             event = events[index]
-            events[index] = (*event[:2], self.value((slope, start), size), *event[3:])
+            events[index] = (*event[:2], self.value((rise, start), size), *event[3:])
         # what the search replays is the trace; the batch a run was asked for (the table's
         # row runs its own) is not written
         record = {**low.record, "batch_size": None, "accum_steps": None}
