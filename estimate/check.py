@@ -60,8 +60,13 @@ def summary(record):
                     else "   (as measure_creation counts)"))
     if record.get("blocks"):
         whole, probes = record["blocks"]
-        lines.append(f"  from runs of {', '.join(map(str, probes[:-1]))} and {probes[-1]} of "
-                     f"the model's {whole} blocks, written out to {whole} (--exact runs them all)")
+        if len(probes) == 2:  # the rules of another size's probes (shortcuts/blocks.py)
+            lines.append(f"  from runs of {probes[0]} and {probes[1]} of the model's {whole} "
+                         f"blocks, written out to {whole} by the rules three probes gave at another "
+                         "batch size (--exact runs them all)")
+        else:
+            lines.append(f"  from runs of {', '.join(map(str, probes[:-1]))} and {probes[-1]} of "
+                         f"the model's {whole} blocks, written out to {whole} (--exact runs them all)")
     if record.get("compiled_eagerly"):
         lines.append("--compile: predicted for the eager run (the model ran uncompiled here);\n"
                      "  torch.compile fuses operations and chooses what backward keeps, so a "

@@ -53,11 +53,12 @@ def predict(script_path, argv, world_size=1, gpu=DEFAULT_GPU, any_batch_size=Fal
     return record_of(run_for(row), gpu, snapshot)
 
 
-def run_for(row, learned=None):
+def run_for(row, learned=None, one_probe=False):
     """The fake run a row asks for, as a KeptRun (shortcuts/cache.py): by blocks where the model's
     blocks repeat, else whole; compiled, with its unfused bound where asked. `learned`: what a
     run of the same row at another micro-batch size kept of its probes (KeptRun.learned): its
-    middle probe alone is then run at this size, where its events allow (from_one_probe)."""
+    two smaller probes alone are then run at this size, where their events allow; with
+    `one_probe`, the middle one alone (from_one_probe: a search's, which its line checks)."""
     if "estimate.fake.run" not in sys.modules:  # imported where a run is made: a kept run's answer
         # needs no fake tensors, no tracker. In a worker forked before it was imported, what the
         # import made is frozen for the garbage collector, as output.worker_pool froze the rest
@@ -72,8 +73,9 @@ def run_for(row, learned=None):
     by_blocks = wants_cuda_emulation(argv) and not (exact or snapshot or compiles(script_path, argv))
     made = None  # the probes run_at_another_size ran, where its rules did not hold
     if by_blocks and learned:
-        try:  # one probe, the rules of another size's (shortcuts/blocks.py)
-            run = run_at_another_size(script_path, argv, world_size, gpu, any_batch_size, learned)
+        try:  # one or two probes, the rules of another size's (shortcuts/blocks.py)
+            run = run_at_another_size(script_path, argv, world_size, gpu, any_batch_size, learned,
+                                      one_probe)
         except Exception as problem:  # noqa: BLE001 - NotByBlocks, or a probe's failure: all the probes
             made = getattr(problem, "probes", None)
             if os.environ.get("ESTIMATE_TRACEBACK"):
@@ -229,18 +231,18 @@ def attempt(row, learned=None):
 def attempt_run(row, run=True, learned=None, one_probe=False):
     """(KeptRun, None, seconds) or (None, message, seconds), as attempt: the row's fake run,
     kept from an earlier one (shortcuts/cache.py) where one still holds, else made (run_for, with
-    `learned`) and kept (unless not `run`: then (None, None, None)). A kept run written from one
-    probe (from_one_probe) stands only where `learned` or `one_probe` allows one."""
+    `learned` and `one_probe`) and kept (unless not `run`: then (None, None, None)). A kept run
+    written from one probe (from_one_probe) stands only where `one_probe` allows one."""
     start = time.perf_counter()
     name = cache.key(row, row.exact or os.environ.get(EXACT_VARIABLE) == "1")
     emulated = GPUS[row.gpu] if wants_cuda_emulation(row.argv) else None
     kept = name and cache.load(name, emulated)
-    if kept and (learned or one_probe or not from_one_probe(kept)):
+    if kept and (one_probe or not from_one_probe(kept)):
         return kept, None, None
     if not run:
         return None, None, None
     try:
-        kept = run_for(row, learned)
+        kept = run_for(row, learned, one_probe)
     except Exception as error:  # noqa: BLE001 - reported as the row's outcome
         if os.environ.get("ESTIMATE_TRACEBACK"):
             traceback.print_exc()

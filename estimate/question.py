@@ -8,9 +8,10 @@ with their sizes, which a later question with another capacity or GPU finds), an
 traces through them (shortcuts/sizes.py), from which a size between is written and replayed
 instead of run. Which sizes are asked is the search's to decide (search/grid.py).
 
-By blocks, a size after the first is run as the middle probe alone (shortcuts/blocks.py), which
-only the line checks: where the runs make no line, those runs are made again from all the
-probes (unchecked), and so is every later one.
+By blocks, a size after the first that the search's line of sizes checks is run as the middle
+probe alone (shortcuts/blocks.py); where the runs make no line, those runs are forgotten
+(unchecked), and every later one, as every answer(), runs the two smaller probes, the smallest
+the check.
 """
 from functools import cached_property
 from pathlib import Path
@@ -18,7 +19,7 @@ from pathlib import Path
 from estimate.gpu_choices import DEFAULT_GPU
 from estimate.predict import Row, attempt, attempt_run, compiles, from_one_probe, record_of, replayed
 from estimate.shortcuts import cache
-from estimate.shortcuts.sizes import SMALLEST, Family, NotBySizes, canonical
+from estimate.shortcuts.sizes import SMALLEST, Family, NotBySizes, canonical, off_any_line
 
 __all__ = ["SMALLEST", "NotBySizes", "Question"]
 
@@ -40,7 +41,8 @@ class Question:
         self.runs = {}  # {micro-batch: KeptRun} made or found for this question
         self.line = None  # the Family of traces through the runs (draw_line)
         self.written = {}  # {micro-batch: reserved bytes} of traces written from the line
-        self.one_probe = True  # later sizes from the middle probe (learned_for), until unchecked
+        self.checked = set()  # sizes run since the line was drawn and found on it (on_line)
+        self.one_probe = True  # estimate(): later sizes from the middle probe, until unchecked()
 
     @property
     def name(self):
@@ -64,15 +66,15 @@ class Question:
 
     def answer(self, micro):
         """(record, None, seconds) or (None, problem, seconds) at `micro`, as predict.attempt
-        gives them (by blocks, from one probe where learned_for allows): a failure
-        is an answer, not an exception."""
+        gives them (by blocks, from two probes where learned_for allows; no line checks it): a
+        failure is an answer, not an exception."""
         return attempt(self.row(micro), learned=self.learned_for(micro))
 
     def learned_for(self, micro):
         """What a run of this question at another size kept of its probes, from which `micro` is
-        written with its middle probe alone (predict.run_for), or None. Sizes below SMALLEST make
-        other events (shortcuts/sizes.py): neither side of it."""
-        if micro < SMALLEST or not self.one_probe:
+        written with fewer probes (predict.run_for), or None. Sizes below SMALLEST make other
+        events (shortcuts/sizes.py): neither side of it."""
+        if micro < SMALLEST:
             return None
         return next((kept.learned for size, kept in self.runs.items()
                      if kept.learned and size >= SMALLEST), None)
@@ -105,21 +107,32 @@ class Question:
         return earlier
 
     def estimate(self, micro):
-        """(allocated, reserved) at `micro` from its run, made now unless kept (by blocks, from one
-        probe where learned_for allows), and noted for later questions;
+        """(allocated, reserved) at `micro` from its run, made now unless kept (by blocks, from the
+        middle probe where learned_for allows, until unchecked()), and noted for later questions;
         RuntimeError with the problem where it fails."""
-        kept, problem, _ = attempt_run(self.row(micro), learned=self.learned_for(micro))
+        kept, problem, _ = attempt_run(self.row(micro), learned=self.learned_for(micro),
+                                       one_probe=self.one_probe)
         if problem:
             raise RuntimeError(problem)
         cache.note_size(self.sizes_key, micro)
         self.runs[micro] = kept
         return self.figures(kept)
 
+    def off_any_line(self):
+        """Why no line goes through this question's runs of SMALLEST samples or more, as one of
+        them shows by itself (it chose by its size, or compiled), or None: the search then runs
+        no other size to find out."""
+        return next(filter(None, (off_any_line(kept) for size, kept in self.runs.items()
+                                  if size >= SMALLEST)), None)
+
     def draw_line(self):
-        """The line of traces through the runs of SMALLEST samples or more, the sizes written from
-        an earlier line forgotten; NotBySizes where the runs make none."""
-        self.line = Family({size: kept for size, kept in self.runs.items() if size >= SMALLEST})
-        self.written = {}
+        """The line of traces through the runs of SMALLEST samples or more; NotBySizes where the
+        runs make none. The sizes written from the line before are forgotten, unless every run
+        added since lies on it (on_line): the line is then the same, whichever runs it goes through."""
+        line = Family({size: kept for size, kept in self.runs.items() if size >= SMALLEST})
+        if self.line is None or not set(line.sizes) <= {*self.line.sizes, *self.checked}:
+            self.written = {}
+        self.line, self.checked = line, set()
         return self.line
 
     def reserved_written(self, micro):
@@ -131,11 +144,14 @@ class Question:
 
     def on_line(self, micro):
         """Whether the run at `micro` is the trace the line writes there, event for event."""
-        return canonical(self.runs[micro].events) == self.line.written(micro).events
+        if canonical(self.runs[micro].events) != self.line.written(micro).events:
+            return False
+        self.checked.add(micro)
+        return True
 
     def unchecked(self):
         """The sizes whose runs were written from one probe, forgotten: the runs made no line,
-        which was their check; every later run of this question is made from all its probes."""
+        which was their check; every later run of this question is made from two at least."""
         self.one_probe = False
         sizes = [micro for micro, kept in self.runs.items() if from_one_probe(kept)]
         for micro in sizes:

@@ -87,6 +87,8 @@ def search(question, capacity, known=None, cap=grid.MAX_MICRO_BATCH, per_sample=
         return question.reserved_written(micro) <= capacity
 
     try:
+        if question.off_any_line():  # (a run shows it: none is made to find out)
+            raise NotBySizes(question.off_any_line())
         for micro in grid.line_sizes(question.runs, found.tried, capacity, per_sample, cap):
             estimated(micro)
         for _ in range(3):  # a confirmation adds a run; the answer stands, or the family fails

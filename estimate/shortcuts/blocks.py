@@ -151,23 +151,29 @@ def written(run, events, counts, probes):
     return run
 
 
-def run_at_another_size(script_path, argv, world_size, gpu, any_batch_size, learned):
-    """A FakeRun of the whole model as run_by_blocks writes it, from a run of the middle probe
-    at this micro-batch size and what `learned` (a KeptRun's, of the same script and flags at
-    another size) keeps of its probes: their traces, whose rules name each storage by its place,
-    not its bytes (synthesis.extend_at_another_size). What checks it at this size is the line of
-    sizes the search draws through it and the first size's whole trace (shortcuts/sizes.py).
-    NotByBlocks where the rules do not hold at this size, with the probe run (`probes`:
+def run_at_another_size(script_path, argv, world_size, gpu, any_batch_size, learned, one_probe=True):
+    """A FakeRun of the whole model as run_by_blocks writes it, from runs at this micro-batch
+    size and what `learned` (a KeptRun's, of the same script and flags at another size) keeps of
+    its probes: their traces, whose rules name each storage by its place, not its bytes
+    (synthesis.extend_at_another_size). With `one_probe`, the middle probe alone runs, and what
+    checks it is the line of sizes the search draws through it and the first size's run of all
+    three (shortcuts/sizes.py); else the two smaller probes run, and the smallest is the check.
+    NotByBlocks where the rules do not hold at this size, with the probes run (`probes`:
     {periods: FakeRun})."""
     periods = learned["periods"]
+    counts = periods[1:2] if one_probe else periods[:2]
+    runs = {}
     with frozen():
-        middle = run_on_fake_tensors(script_path, argv, world_size, gpu, any_batch_size,
-                                     cut=partial(cut_for_probe, periods_kept=periods[1]))
-    if middle.blocks is None:
-        raise NotByBlocks("the script created no model from a config")
+        for count in counts:
+            runs[count] = run_on_fake_tensors(script_path, argv, world_size, gpu, any_batch_size,
+                                              cut=partial(cut_for_probe, periods_kept=count))
+            if runs[count].blocks is None:
+                raise NotByBlocks("the script created no model from a config")
+    middle = runs[periods[1]]
     try:
-        events = extend_at_another_size(learned["traces"], periods, middle.periods, marked(middle))
+        events = extend_at_another_size(learned["traces"], periods, middle.periods, marked(middle),
+                                        None if one_probe else marked(runs[periods[0]]))
     except NotByBlocks as problem:
-        problem.probes = {periods[1]: middle}  # for run_by_blocks, which runs the other two
+        problem.probes = runs  # for run_by_blocks, which runs the others
         raise
-    return written(middle, events, dict(learned["counts"]), [middle.blocks[1]])
+    return written(middle, events, dict(learned["counts"]), [run.blocks[1] for run in runs.values()])

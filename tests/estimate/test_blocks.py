@@ -106,15 +106,17 @@ def test_a_model_too_short_to_gain_runs_whole(tmp_path):
     assert record["blocks"] is None
 
 
+@pytest.mark.parametrize("one_probe", [True, False], ids=["middle", "two-smaller"])
 @pytest.mark.parametrize("script, switches", [
     ("04", []), ("07", []),
     ("10", ["--optimizer", "adamw-8bit", "--checkpointing", "selective", "--loss", "chunked"]),
 ], ids=["04", "07", "10-8bit-selective-chunked"])
-def test_another_size_is_written_from_its_middle_probe_to_the_byte(
-        script, switches, tmp_path, probes_from_three_periods, monkeypatch):
-    """A search's later sizes: the middle probe runs at that size, and the rules the three
-    probes gave at the first size write it out; the same bytes as the whole run. Where the
-    rules do not hold at that size, the other two probes run too."""
+def test_another_size_is_written_from_fewer_probes_to_the_byte(
+        script, switches, one_probe, tmp_path, probes_from_three_periods, monkeypatch):
+    """A search's later sizes: the middle probe runs at that size (a search's line checks it),
+    or the two smaller probes (the smallest the check), and the rules the three probes gave at
+    the first size write it out; the same bytes as the whole run. Where the rules do not hold
+    at that size, the other probes run too."""
     folder = deeper(tmp_path / "llama", "Llama", BLOCKS)
     world_size = 2 if STEPS[script].sharded else 1
 
@@ -128,14 +130,15 @@ def test_another_size_is_written_from_its_middle_probe_to_the_byte(
     probe = blocks.run_on_fake_tensors
     monkeypatch.setattr(blocks, "run_on_fake_tensors",
                         lambda *args, **kwargs: ran.append(kwargs["cut"]) or probe(*args, **kwargs))
-    written = run_for(row(6), learned)
-    assert len(ran) == 1 and written.blocks == [BLOCKS, learned["periods"][1:2]]
+    written = run_for(row(6), learned, one_probe)
+    fewer = learned["periods"][1:2] if one_probe else learned["periods"][:2]
+    assert len(ran) == len(fewer) and written.blocks == [BLOCKS, fewer]
     whole = predict(row(6).script, row(6).argv, world_size=world_size, exact=True)
     assert {key: record_of(written)[key] for key in COMPARED} == {key: whole[key] for key in COMPARED}
     if script == "04":  # the middle probe's trace at the first size, an event short
         learned["traces"][1] = learned["traces"][1][:-1]
-        again = run_for(row(6), learned)
-        assert len(ran) == 1 + 1 + 2 and again.blocks[1] == [2, 3, 4]  # (the middle not run again)
+        again = run_for(row(6), learned, one_probe)
+        assert len(ran) == 2 * len(fewer) + 3 - len(fewer) and again.blocks[1] == [2, 3, 4]  # (not again)
         assert {key: record_of(again)[key] for key in COMPARED} == {
             key: whole[key] for key in COMPARED}
 
@@ -167,8 +170,9 @@ def test_bytes_of_the_blocks_and_the_size_together_run_every_probe_again(tmp_pat
     """A storage of 16 bytes a block and a sample, 512 at least (a count the code rounds up): at 2
     samples the three probes and the 6 blocks hold 512 (the rules hold), at 64 the middle probe
     3,072 bytes and the 6 blocks 6,144, which one probe cannot show. The sizes run make no line,
-    so the sizes run from one probe are run again from all three (whose check fails: the model
-    runs whole), and every figure the search answers with is the whole run's."""
+    so the sizes run from one probe are forgotten and those the search then tries run from two
+    (whose check fails: then from three, whose check fails too: the model runs whole), and every
+    figure the search answers with is the whole run's."""
     monkeypatch.setenv("ESTIMATE_CACHE", str(tmp_path / "kept"))
     folder = deeper(tmp_path / "llama", "Llama", BLOCKS)
     source = script_path("04").read_text()
@@ -211,8 +215,9 @@ def sized_trace(count, size, tally=0):
 
 def test_another_size_is_written_from_its_middle_probe_by_the_first_sizes_rules():
     smaller = [sized_trace(2, 1), sized_trace(3, 1)]
-    written = synthesis.extend_at_another_size(smaller, [2, 3, 4], 9, sized_trace(3, 5))
-    assert synthesis.renumbered(written) == synthesis.renumbered(sized_trace(9, 5))
+    for checked_by in (None, sized_trace(2, 5)):  # the line of sizes, or the smaller probe
+        written = synthesis.extend_at_another_size(smaller, [2, 3, 4], 9, sized_trace(3, 5), checked_by)
+        assert synthesis.renumbered(written) == synthesis.renumbered(sized_trace(9, 5))
     other = sized_trace(3, 5)[:-1]  # an event fewer at this size: refused
     with pytest.raises(synthesis.NotByBlocks, match="other events"):
         synthesis.extend_at_another_size(smaller, [2, 3, 4], 9, other)
@@ -220,6 +225,18 @@ def test_another_size_is_written_from_its_middle_probe_by_the_first_sizes_rules(
     unlike[2] = ("alloc", 2, 65 * 5, "cpu", "Activation")  # one copy's bytes off the others'
     with pytest.raises(synthesis.NotByBlocks, match="copies differ"):
         synthesis.extend_at_another_size(smaller, [2, 3, 4], 9, unlike)
+
+
+def test_bytes_that_grow_with_the_blocks_only_past_the_first_size_are_caught_by_the_smaller_probe():
+    """A storage of 7 bytes a block and a sample, 64 at least: at one sample the probes of 2, 3
+    and 4 blocks hold 64 bytes each (the rules hold, checked), at 5 samples 70 and 105. The
+    middle probe alone would write 105 bytes for 9 blocks (315); the smaller probe is the check."""
+    three = [sized_trace(count, 1, tally=7) for count in (2, 3, 4)]
+    assert synthesis.renumbered(synthesis.extend(three, [2, 3, 4], 9)) == synthesis.renumbered(
+        sized_trace(9, 1, tally=7))
+    with pytest.raises(synthesis.NotByBlocks, match="smallest probe"):
+        synthesis.extend_at_another_size(three[:2], [2, 3, 4], 9, sized_trace(3, 5, tally=7),
+                                         sized_trace(2, 5, tally=7))
 
 
 def test_bytes_that_grow_with_the_blocks_only_past_the_first_size_break_the_line_of_sizes():

@@ -25,9 +25,9 @@ def kept(tmp_path, monkeypatch):
     calls = []
     real = sys.modules["estimate.predict"].run_for
 
-    def run_for(row, learned=None):
+    def run_for(row, learned=None, one_probe=False):
         calls.append(list(row.argv))
-        return real(row, learned)
+        return real(row, learned, one_probe)
     monkeypatch.setattr(sys.modules["estimate.predict"], "run_for", run_for)
     return calls
 

@@ -168,6 +168,18 @@ def test_a_search_of_a_size_dependent_run_estimates_every_size(llama):
     assert found.largest >= 8 and found.tried[found.largest][1] <= at
 
 
+def test_a_search_whose_asked_run_chose_by_its_size_runs_no_size_to_find_out(llama, monkeypatch):
+    """The asked row's run said it chose by its size: no other size is run to draw a line, and
+    the sizes the search tries are estimated one by one."""
+    flags = causal(llama, 13)
+    record = record_of(run_for(Question(script_path("05h"), flags).row(8)))
+    known = {8: (record["allocated_bytes"], record["reserved_bytes"])}
+    monkeypatch.setattr(Question, "estimate", lambda *_: pytest.fail("a size run for the line"))
+    found = search(Question(script_path("05h"), flags), record["reserved_bytes"], known)
+    assert found.not_by_sizes and "fused loss" in found.not_by_sizes and not found.written
+    assert found.largest >= 8 and found.tried[found.largest][1] <= record["reserved_bytes"]
+
+
 def test_the_search_stops_when_one_sample_does_not_fit():
     found = search(Question(script_path("03"), ["--device", "cuda"], accumulates=False), 2**20)
     assert found.largest is None and found.problem is None and 1 in found.tried
