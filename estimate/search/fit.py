@@ -207,10 +207,10 @@ def search_all(rows, outcomes, capacity, jobs, accumulates, interrupted):
     """A Fit for each script, from its first (asked) row; up to `jobs` scripts at a time (Ctrl-C
     among them: the words `interrupted()` gives)."""
     asked = {}
-    for row, (record, _, _) in zip(rows, outcomes):
-        asked.setdefault(row.script, (row, record))
+    for row, (record, _, took) in zip(rows, outcomes):
+        asked.setdefault(row.script, (row, record, took or 0))
     fits, tasks = [], []
-    for script, (row, record) in asked.items():
+    for script, (row, record, took) in asked.items():
         if record is None:
             fits.append(Fit(script.stem, accumulates(script), problem="its estimate failed"))
             continue
@@ -220,25 +220,27 @@ def search_all(rows, outcomes, capacity, jobs, accumulates, interrupted):
                             world_size=record["world_size"], capacity=capacity,
                             asked_reserved=record["reserved_bytes"], not_searched=NOT_SEARCHED))
             continue
-        tasks.append((task, record))
+        tasks.append((task, record, took))
     started = (f"searching the largest batch that fits in {size_text(capacity)} for {len(tasks)} "
                "scripts: traces of a few sizes, written for the rest")
     bar = ProgressBar(len(tasks), "scripts searched")
     if jobs > 1 and len(tasks) > 1:
         with worker_pool(jobs, interrupted) as pool:
-            futures = [pool.submit(search, *task) for task, _ in tasks]
+            # the longest first, as their rows took: no long one is left alone at the end
+            futures = {index: pool.submit(search, *tasks[index][0]) for index in
+                       sorted(range(len(tasks)), key=lambda index: -tasks[index][2])}
             print(started, flush=True)  # (Ctrl-C from here on: the pool's message)
-            for future in as_completed(futures):
+            for future in as_completed(futures.values()):
                 bar.advance(search_words(future.result()))
-            found = [future.result() for future in futures]
+            found = [futures[index].result() for index in range(len(tasks))]
     else:
         print(started, flush=True)
         found = []
-        for task, _ in tasks:
+        for task, _, _ in tasks:
             found.append(search(*task))
             bar.advance(search_words(found[-1]))
     bar.close()
-    for fit, (_, record) in zip(found, tasks):
+    for fit, (_, record, _) in zip(found, tasks):
         fit.batch_size, fit.world_size = record["batch_size"], record["world_size"]
         fit.asked_reserved = record["reserved_bytes"]
         fits.append(fit)
