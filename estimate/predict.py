@@ -75,7 +75,7 @@ def run_for(row, learned=None, one_probe=False):
     if by_blocks and learned:
         try:  # one or two probes, the rules of another size's (shortcuts/blocks.py)
             run = run_at_another_size(script_path, argv, world_size, gpu, any_batch_size, learned,
-                                      one_probe)
+                                      one_probe=one_probe)
         except Exception as problem:  # noqa: BLE001 - NotByBlocks, or a probe's failure: all the probes
             made = getattr(problem, "probes", None)
             if os.environ.get("ESTIMATE_TRACEBACK"):

@@ -92,7 +92,8 @@ class Question:
     def found(self, known, cap):
         """Find the runs that need no new one: each size of `known` (its asked row's run, or
         made again where none was kept) and each an earlier question ran, up to `cap`; returns
-        {micro-batch: (allocated, reserved)} of the latter."""
+        {micro-batch: (allocated, reserved)} of the latter. Runs written from one probe are
+        left out where no other run is found for the line to go through (its check)."""
         for micro in known:
             kept, _, _ = attempt_run(self.asked.get(micro) or self.row(micro), one_probe=self.one_probe)
             if kept is not None:
@@ -104,14 +105,19 @@ class Question:
                 if kept is not None:
                     self.runs[micro] = kept
                     earlier[micro] = self.figures(kept)
+        if not any(size >= SMALLEST and not from_one_probe(kept) for size, kept in self.runs.items()):
+            for micro in self.unchecked():  # (none of the runs their line must go through)
+                earlier.pop(micro, None)
+            self.one_probe = True  # (the next size runs all the probes: a line then checks the rest)
         return earlier
 
     def estimate(self, micro):
         """(allocated, reserved) at `micro` from its run, made now unless kept (by blocks, from the
         middle probe where learned_for allows, until unchecked()), and noted for later questions;
         RuntimeError with the problem where it fails."""
-        kept, problem, _ = attempt_run(self.row(micro), learned=self.learned_for(micro),
-                                       one_probe=self.one_probe)
+        learned = self.learned_for(micro)  # (none: no run here for a line to go through)
+        kept, problem, _ = attempt_run(self.row(micro), learned=learned,
+                                       one_probe=self.one_probe and learned is not None)
         if problem:
             raise RuntimeError(problem)
         cache.note_size(self.sizes_key, micro)
@@ -149,11 +155,16 @@ class Question:
         self.checked.add(micro)
         return True
 
+    def from_one_probe(self):
+        """The sizes whose runs were written from one probe (predict.from_one_probe)."""
+        return [micro for micro, kept in self.runs.items() if from_one_probe(kept)]
+
     def unchecked(self):
-        """The sizes whose runs were written from one probe, forgotten: the runs made no line,
-        which was their check; every later run of this question is made from two at least."""
+        """The sizes whose runs were written from one probe, forgotten: no line checks them (the
+        runs made none, or no other run is there for one to go through); every later run of
+        this question is made from two probes at least, until one_probe is set again."""
         self.one_probe = False
-        sizes = [micro for micro, kept in self.runs.items() if from_one_probe(kept)]
+        sizes = self.from_one_probe()
         for micro in sizes:
             del self.runs[micro]
         return sizes

@@ -94,7 +94,8 @@ def search(question, capacity, known=None, cap=grid.MAX_MICRO_BATCH, per_sample=
         for _ in range(3):  # a confirmation adds a run; the answer stands, or the family fails
             question.draw_line()
             answer = grid.largest_fitting(fits, cap)
-            due = grid.confirmations(answer, cap, question.runs, question.line)
+            due = grid.confirmations(answer, cap, question.runs, question.line,
+                                     question.from_one_probe())
             if not due:
                 found.largest, found.capped = answer, answer is not None and answer >= cap
                 found.written, found.estimated = len(question.written), len(found.tried) - kept_before
@@ -106,10 +107,12 @@ def search(question, capacity, known=None, cap=grid.MAX_MICRO_BATCH, per_sample=
         raise NotBySizes("the confirmations moved the answer")
     except RuntimeError as error:
         found.problem = str(error)
+        for micro in question.unchecked():  # (no line checked them)
+            found.tried.pop(micro, None)
         return found
     except NotBySizes as why:
         found.not_by_sizes = str(why)
-        for micro in question.unchecked():  # made again from all the probes, where tried
+        for micro in question.unchecked():  # made again from two probes at least, where tried
             found.tried.pop(micro, None)
     estimates = search_by_estimates(question, capacity, found.tried, cap, per_sample)
     estimates.not_by_sizes = found.not_by_sizes

@@ -25,20 +25,29 @@ def line_sizes(runs, tried, capacity, per_sample, cap):
         yield guess
 
 
-def confirmations(answer, cap, runs, line):
+def confirmations(answer, cap, runs, line, unchecked=()):
     """The sizes to run to confirm `answer` (None: not even SMALLEST fits) on `line` (a Family):
     of it and the next size up, those not run already and not written between the sizes run on a
     line checked on a run it was not drawn through. Each written beyond the runs (an
     extrapolation) is run; where both lie between and the line is not checked yet, one run, the
     answer's, checks it (a third point off a line through two): the next size is then written
-    between runs on a checked line. A choice made by the size that the code declares
-    (shortcuts/sizes.py) makes no line at all: every size is then estimated."""
+    between runs on a checked line. `unchecked`: the sizes of `runs` that no run checks by
+    itself (written from one probe, estimate/question.py): a line of two sizes through one of
+    them is checked by a third run even where the answer and the next size up were run, a size
+    halfway between the two (NotBySizes where none lies between). A choice made by the size that
+    the code declares (shortcuts/sizes.py) makes no line at all: every size is then estimated."""
     asked = [answer or 1] + ([next_size(answer)] if answer and answer < cap else [])
     due = [micro for micro in asked if micro not in runs]
     if len(line.sizes) >= 3:  # checked
         return [micro for micro in due if not line.between(micro)]
     beyond = [micro for micro in due if not line.between(micro)]
-    return beyond or due[:1]
+    if beyond or due or not set(line.sizes) & set(unchecked):
+        return beyond or due[:1]
+    low, high = line.sizes
+    halfway = snap((low + high) // 2)
+    if not low < halfway < high:
+        raise NotBySizes(f"no size between {low} and {high} to check the line of their runs")
+    return [halfway]
 
 
 def next_size(size):

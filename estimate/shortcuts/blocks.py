@@ -151,7 +151,7 @@ def written(run, events, counts, probes):
     return run
 
 
-def run_at_another_size(script_path, argv, world_size, gpu, any_batch_size, learned, one_probe=True):
+def run_at_another_size(script_path, argv, world_size, gpu, any_batch_size, learned, *, one_probe):
     """A FakeRun of the whole model as run_by_blocks writes it, from runs at this micro-batch
     size and what `learned` (a KeptRun's, of the same script and flags at another size) keeps of
     its probes: their traces, whose rules name each storage by its place, not its bytes

@@ -370,18 +370,18 @@ def extend(traces, periods, total):
     return synthesise(Probe(traces[1], periods[1], found), rules, total)
 
 
-def extend_at_another_size(traces, periods, total, middle, smallest=None):
+def extend_at_another_size(traces, periods, total, middle, smallest):
     """The events of `total` periods at another micro-batch size, from the middle probe's trace
     at that size (`middle`) and the rules `traces` (the two smaller probes' at the size they ran,
     where the largest checked them) give. The rules name storages by place, not by bytes, so
     they hold at any size where the events do: `middle` must make the same events as there but
     for their bytes, each copy of a region alike; the byte counts come from `middle`, a copy's
-    from its region's first. With `smallest`, the smaller probe's trace at this size, the check:
-    it must be what the rules write from `middle` with a period fewer, event for event (a byte
-    count that grows with the periods and the size together, hidden at the first size by
-    rounding, shows there unless the rounding hides it in both probes here too). Without it,
-    the line of sizes (sizes.Family) through the first size's trace, this one and a third is
-    what shows such a count. Else NotByBlocks."""
+    from its region's first. With `smallest` (else None), the smaller probe's trace at this
+    size, the check: it must be what the rules write from `middle` with a period fewer, event for
+    event (a byte count that grows with the periods and the size together, hidden at the first
+    size by rounding, shows there unless the rounding hides it in both probes here too).
+    Without it, the line of sizes (sizes.Family) through a run checked by itself, this one and a
+    third is what shows such a count. Else NotByBlocks."""
     found, rules = learned(traces, periods)
     if not sizes.alike(sizes.canonical(middle), sizes.canonical(traces[1])):
         raise NotByBlocks("the middle probe makes other events at this size")

@@ -12,7 +12,7 @@ from estimate.predict import Row, attempt_run, from_one_probe, predict, record_o
 from estimate.question import Question
 from estimate.search.fit import search
 from estimate.search.grid import next_size
-from estimate.shortcuts import blocks, sizes, synthesis
+from estimate.shortcuts import blocks, cache, sizes, synthesis
 from steps import STEPS
 from support.architecture_matrix import ARCHITECTURES, model_flags, write_model
 
@@ -163,6 +163,31 @@ def test_a_search_by_blocks_runs_one_probe_at_each_size_after_its_first(tmp_path
     row = question.row(beyond)
     exact = predict(row.script, row.argv, any_batch_size=True, exact=True)
     assert {key: written[key] for key in COMPARED[:-2]} == {key: exact[key] for key in COMPARED[:-2]}
+    # the run of all three probes gone from the folder, the sizes run from one are not found:
+    # no line would go through a run to check them
+    (cache.folder() / f"{cache.key(question.row(2), False)}.kept").unlink()
+    later = Question(script_path("04"), flags)
+    assert later.found({}, 4096) == {} and later.runs == {} and later.one_probe
+
+
+def test_a_line_of_two_sizes_through_a_run_of_one_probe_is_checked_where_the_answer_was_run(
+        tmp_path, monkeypatch, probes_from_three_periods):
+    """As the stack's walk searches up to its batch: the far size is the cap, run from the middle
+    probe alone, and fits; the answer and the sizes about it were run, but a line of two sizes
+    checks nothing, so a size halfway is run as the check."""
+    monkeypatch.setenv("ESTIMATE_CACHE", str(tmp_path / "kept"))
+    folder = deeper(tmp_path / "llama", "Llama", BLOCKS)
+    flags = [*model_flags(folder, "Llama"), "--task", "causal-lm", "--device", "cuda"]
+    question = Question(script_path("04"), flags)
+    known = {2: question.estimate(2)}
+    question = Question(script_path("04"), flags)
+    found = search(question, 10**12, known, cap=16, per_sample=1)
+    assert found.problem is None and found.not_by_sizes is None and found.largest == 16
+    assert {size: question.runs[size].blocks[1] for size in question.runs} == {
+        2: [2, 3, 4], 16: [3], 9: [3]}
+    row = question.row(16)
+    exact = predict(row.script, row.argv, any_batch_size=True, exact=True)
+    assert found.tried[16] == (exact["allocated_bytes"], exact["reserved_bytes"])
 
 
 def test_bytes_of_the_blocks_and_the_size_together_run_every_probe_again(tmp_path, monkeypatch,
@@ -220,11 +245,11 @@ def test_another_size_is_written_from_its_middle_probe_by_the_first_sizes_rules(
         assert synthesis.renumbered(written) == synthesis.renumbered(sized_trace(9, 5))
     other = sized_trace(3, 5)[:-1]  # an event fewer at this size: refused
     with pytest.raises(synthesis.NotByBlocks, match="other events"):
-        synthesis.extend_at_another_size(smaller, [2, 3, 4], 9, other)
+        synthesis.extend_at_another_size(smaller, [2, 3, 4], 9, other, None)
     unlike = sized_trace(3, 5)
     unlike[2] = ("alloc", 2, 65 * 5, "cpu", "Activation")  # one copy's bytes off the others'
     with pytest.raises(synthesis.NotByBlocks, match="copies differ"):
-        synthesis.extend_at_another_size(smaller, [2, 3, 4], 9, unlike)
+        synthesis.extend_at_another_size(smaller, [2, 3, 4], 9, unlike, None)
 
 
 def test_bytes_that_grow_with_the_blocks_only_past_the_first_size_are_caught_by_the_smaller_probe():
@@ -248,7 +273,8 @@ def test_bytes_that_grow_with_the_blocks_only_past_the_first_size_break_the_line
     three = [sized_trace(count, 2, tally=3) for count in (2, 3, 4)]
     first = synthesis.extend(three, [2, 3, 4], 9)
     assert synthesis.renumbered(first) == synthesis.renumbered(sized_trace(9, 2, tally=3))
-    later = {size: synthesis.extend_at_another_size(three[:2], [2, 3, 4], 9, sized_trace(3, size, tally=3))
+    later = {size: synthesis.extend_at_another_size(three[:2], [2, 3, 4], 9,
+                                                    sized_trace(3, size, tally=3), None)
              for size in (8, 12)}
     assert later[8] != synthesis.renumbered(sized_trace(9, 8, tally=3))  # (not seen by one size)
 
