@@ -106,9 +106,9 @@ class Question:
                     self.runs[micro] = kept
                     earlier[micro] = self.figures(kept)
         if not any(size >= SMALLEST and not from_one_probe(kept) for size, kept in self.runs.items()):
-            for micro in self.unchecked():  # (none of the runs their line must go through)
+            for micro in self.from_one_probe():  # (none of the runs their line must go through)
+                del self.runs[micro]
                 earlier.pop(micro, None)
-            self.one_probe = True  # (the next size runs all the probes: a line then checks the rest)
         return earlier
 
     def estimate(self, micro):
@@ -161,8 +161,8 @@ class Question:
 
     def unchecked(self):
         """The sizes whose runs were written from one probe, forgotten: no line checks them (the
-        runs made none, or no other run is there for one to go through); every later run of
-        this question is made from two probes at least, until one_probe is set again."""
+        runs made none, or the search failed); every later run of this question is made from two
+        probes at least."""
         self.one_probe = False
         sizes = self.from_one_probe()
         for micro in sizes:

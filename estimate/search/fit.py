@@ -86,9 +86,14 @@ def search(question, capacity, known=None, cap=grid.MAX_MICRO_BATCH, per_sample=
             return found.tried[micro][1] <= capacity
         return question.reserved_written(micro) <= capacity
 
+    def forget_unchecked():  # the runs from one probe that no line checked (question.py)
+        for micro in question.unchecked():
+            found.tried.pop(micro, None)
+
     try:
-        if question.off_any_line():  # (a run shows it: none is made to find out)
-            raise NotBySizes(question.off_any_line())
+        off = question.off_any_line()
+        if off:  # (a run shows it: none is made to find out)
+            raise NotBySizes(off)
         for micro in grid.line_sizes(question.runs, found.tried, capacity, per_sample, cap):
             estimated(micro)
         for _ in range(3):  # a confirmation adds a run; the answer stands, or the family fails
@@ -107,13 +112,11 @@ def search(question, capacity, known=None, cap=grid.MAX_MICRO_BATCH, per_sample=
         raise NotBySizes("the confirmations moved the answer")
     except RuntimeError as error:
         found.problem = str(error)
-        for micro in question.unchecked():  # (no line checked them)
-            found.tried.pop(micro, None)
+        forget_unchecked()
         return found
     except NotBySizes as why:
         found.not_by_sizes = str(why)
-        for micro in question.unchecked():  # made again from two probes at least, where tried
-            found.tried.pop(micro, None)
+        forget_unchecked()  # (made again from two probes at least, where tried)
     estimates = search_by_estimates(question, capacity, found.tried, cap, per_sample)
     estimates.not_by_sizes = found.not_by_sizes
     return estimates

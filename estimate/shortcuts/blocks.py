@@ -127,8 +127,8 @@ def by_blocks(script_path, argv, world_size, gpu, any_batch_size, sharded, made=
     counted = [runs[count].meter_result for count in periods]
     counts = {name: linear([found[name] for found in counted], periods, runs[periods[0]].periods)
               for name in ("parameter_count", "parameters_held")}
-    # what another micro-batch size needs to be written from its middle probe alone: the two
-    # smaller probes' traces here, whose rules the largest has checked (run_at_another_size)
+    # what another micro-batch size needs to be written from fewer probes: the two smaller
+    # probes' traces here, whose rules the largest has checked (run_at_another_size)
     learned = {"periods": list(periods), "counts": counts,
                "traces": [marked(runs[count]) for count in periods[:2]]}
     whole = written(runs[periods[-1]], events, counts, [runs[count].blocks[1] for count in periods])
@@ -156,8 +156,8 @@ def run_at_another_size(script_path, argv, world_size, gpu, any_batch_size, lear
     size and what `learned` (a KeptRun's, of the same script and flags at another size) keeps of
     its probes: their traces, whose rules name each storage by its place, not its bytes
     (synthesis.extend_at_another_size). With `one_probe`, the middle probe alone runs, and what
-    checks it is the line of sizes the search draws through it and the first size's run of all
-    three (shortcuts/sizes.py); else the two smaller probes run, and the smallest is the check.
+    checks it is the line of sizes the search draws through it and a run that checked itself
+    (shortcuts/sizes.py, search/grid.py); else the two smaller probes run, the smallest the check.
     NotByBlocks where the rules do not hold at this size, with the probes run (`probes`:
     {periods: FakeRun})."""
     periods = learned["periods"]

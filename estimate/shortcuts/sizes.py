@@ -101,8 +101,9 @@ class Family:
         low = points[self.sizes[0]]
         for size in self.sizes:
             kept = points[size]
-            if off_any_line(kept):
-                raise NotBySizes(off_any_line(kept))
+            off = off_any_line(kept)
+            if off:
+                raise NotBySizes(off)
             if any(getattr(kept, name) != getattr(low, name) for name in SAME) \
                     or model_blocks(kept) != model_blocks(low):
                 raise NotBySizes("the runs differ in more than their batch")
