@@ -47,6 +47,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import tour.code_tables as code_tables
+import tour.warm as warm
 from common.atomic_write import write_json_atomically
 from common.cli import add_shared_flags, positive_int
 from common.presets import PRESETS, for_task
@@ -239,7 +240,22 @@ def kill_process_group(process):
     try:
         os.killpg(process.pid, signal.SIGKILL)
     except ProcessLookupError:
-        pass
+        if isinstance(process, warm.WarmStep):  # a child not yet in a group of its own
+            try:
+                os.kill(process.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def started(command, env, slots):
+    """The step's process, in a process group of its own, so that a hung step is ended with all
+    its workers: a fresh Python, or beside another in slots that start warm, a child of the fork
+    server (tour/warm.py)."""
+    if slots is not None and slots.warm:
+        return warm.WarmStep(command.argv, ROOT, env)
+    return subprocess.Popen(command.argv, cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True,
+                            stdout=None if slots is None else subprocess.PIPE,
+                            errors="replace", start_new_session=True)
 
 
 def run_command(command, results_dir, position, timeout=STEP_TIMEOUT, slots=None):
@@ -255,10 +271,7 @@ def run_command(command, results_dir, position, timeout=STEP_TIMEOUT, slots=None
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}  # its lines interleave with ours in order
     if slots is not None:  # threads that wait for their turn sleep instead of spinning on the
         env.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # cores the other step's threads need
-    # its own process group, so that a hung step is ended with all its workers
-    with subprocess.Popen(command.argv, cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True,
-                          stdout=None if slots is None else subprocess.PIPE,
-                          errors="replace", start_new_session=True) as process:
+    with started(command, env, slots) as process:
         RUNNING.add(process)
         if STOPPING.is_set():  # Ctrl-C came while it started, beside another step
             kill_process_group(process)
@@ -317,7 +330,8 @@ class Slots:
     as which: a step's neighbours are those running when it starts and those that start while
     it runs. The first two are announced together, each later one as it starts."""
 
-    def __init__(self, first_two):
+    def __init__(self, first_two, warm_start=False):
+        self.warm = warm_start  # its steps forked warm (tour/warm.py), not each a fresh Python
         self.lock = threading.Lock()
         self.running = {}  # name: the names seen running beside it so far
         self.first_two = first_two
@@ -338,15 +352,15 @@ class Slots:
             return self.running.pop(name)
 
 
-def run_side_by_side(commands, results_dir, positions, timeout):
+def run_side_by_side(commands, results_dir, positions, timeout, warm_start=False):
     """Single-process steps in two slots: the first two start together and each later one as
-    soon as a slot frees, in order, so that a long step never holds a short one's core idle.
-    Their outcomes, in order."""
+    soon as a slot frees, in order, so that a long step never holds a short one's core idle;
+    `warm_start`: each forked from the fork server (tour/warm.py). Their outcomes, in order."""
     STOPPING.clear()
     first_two = [command.name for command in commands[:2]]
     print("".join(f"\n{position} {name} ... (beside {other})" for position, name, other in
                   zip(positions, first_two, reversed(first_two))), flush=True)
-    slots = Slots(first_two)
+    slots = Slots(first_two, warm_start)
 
     def run(command, position):
         if STOPPING.is_set():  # Ctrl-C before its turn: never started
@@ -371,9 +385,11 @@ def runs_alone(command):
     return command.argv[1:3] == ["-m", "torch.distributed.run"] or command.name == "estimate"
 
 
-def run_commands(commands, results_dir, total, timeout, side_by_side):
+def run_commands(commands, results_dir, total, timeout, side_by_side, preload=True):
     """Run `commands` in order, numbered from 1 of `total`; with `side_by_side`, each run of
-    consecutive single-process steps on two slots (run_side_by_side). Their outcomes, in order."""
+    consecutive single-process steps on two slots (run_side_by_side), started warm where the
+    system allows (tour/warm.py: `preload`, the fork server imports the scripts' modules).
+    Their outcomes, in order."""
     outcomes, index = [], 0
     positions = [f"[{number}/{total}]" for number in range(1, len(commands) + 1)]
     while index < len(commands):
@@ -381,8 +397,11 @@ def run_commands(commands, results_dir, total, timeout, side_by_side):
         while side_by_side and end < len(commands) and not runs_alone(commands[end]):
             end += 1
         if end - index >= 2:
+            warm_start = warm.available()
+            if warm_start:
+                warm.start_server(preload)
             outcomes += run_side_by_side(commands[index:end], results_dir, positions[index:end],
-                                         timeout)
+                                         timeout, warm_start)
             index = end
         else:
             outcomes.append(run_command(commands[index], results_dir, positions[index], timeout))
@@ -546,7 +565,8 @@ def main(argv=None, scripts_dir=None):
             print("single-process steps run two at a time (a CPU tour without --publish): their "
                   "training times include sharing the cores; --one-at-a-time or --publish runs "
                   "each alone", flush=True)
-        outcomes = run_commands(commands, staging, total, args.step_timeout, args.side_by_side)
+        outcomes = run_commands(commands, staging, total, args.step_timeout, args.side_by_side,
+                                preload=scripts_dir is None)
         if estimate is not None:
             estimate_outcome = run_command(estimate, staging, f"[{total}/{total}]", args.step_timeout)
         else:

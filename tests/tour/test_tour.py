@@ -1,4 +1,5 @@
 """The tour: the report built from recorded JSON, and the command that runs and collects steps."""
+import importlib.util
 import json
 import os
 import shutil
@@ -19,6 +20,7 @@ from conftest import QUICK, ROOT
 from estimate.records import GB, MIB, load_estimates, published_gb
 from estimate.stack import whole_stack
 from tour import runner as tour
+from tour import warm
 from tour.charts import NOT_BROKEN_DOWN, estimate_figure, tour_figure
 from tour.records import load_step_rows, read_json, wilson_interval
 from tour.report import (
@@ -429,6 +431,7 @@ from fake_record import write_record
 staging = Path(sys.argv[sys.argv.index("--results-dir") + 1])
 (staging / "{mine}.started").touch()
 print("waiting threads:", os.environ.get("OMP_WAIT_POLICY"), flush=True)
+print("started by the tour itself:", os.getppid() == {tour_pid}, flush=True)
 for _ in range(300):  # 30 s at most
     if (staging / "{other}.started").exists():
         write_record(__file__)
@@ -445,7 +448,8 @@ def test_a_cpu_tour_runs_two_single_process_steps_side_by_side(tmp_path, monkeyp
     scripts.mkdir()
     shutil.copy(FIXTURES / "fake_steps" / "fake_record.py", scripts)
     for mine, other in (("01", "02"), ("02", "01")):
-        (scripts / f"{mine}_waits_for_{other}.py").write_text(WAITS_FOR.format(mine=mine, other=other))
+        (scripts / f"{mine}_waits_for_{other}.py").write_text(
+            WAITS_FOR.format(mine=mine, other=other, tour_pid=os.getpid()))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
     monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
@@ -458,11 +462,25 @@ def test_a_cpu_tour_runs_two_single_process_steps_side_by_side(tmp_path, monkeyp
     # waiting threads sleep, so that two steps' threads on few cores do not spin on each other's
     # (the same threads as alone: the same sums, the same results)
     assert output.count("waiting threads: PASSIVE") == 2
+    # on Linux each forked from the fork server, which has imported what the scripts import
+    # (tour/warm.py), not a fresh Python the tour started
+    assert output.count(f"started by the tour itself: {sys.platform != 'linux'}") == 2
     for flags in (["--one-at-a-time"], ["--publish", str(tmp_path / "docs")]):
         assert not tour.parse_args(flags, scripts_dir=scripts).side_by_side
     assert tour.parse_args([], scripts_dir=scripts).side_by_side
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert not tour.parse_args([], scripts_dir=scripts).side_by_side
+
+
+def test_every_module_the_fork_server_imports_is_installed():
+    """tour/preload.py passes over a module that fails to import (a step imports it then, and
+    says why), so a name that names no module would only slow every step, silently."""
+    for name in warm.SCRIPTS_MODULES:
+        top, *inner = name.split(".")
+        spec = importlib.util.find_spec(top)  # (a submodule's would import its package)
+        assert spec is not None, name
+        folder = Path(spec.origin).parent.joinpath(*inner)
+        assert not inner or folder.with_suffix(".py").is_file() or (folder / "__init__.py").is_file(), name
 
 
 STARTS_AND_ENDS = """# a fake step that notes it started and writes its record at once
@@ -480,7 +498,8 @@ def test_a_step_starts_as_soon_as_a_slot_frees_not_when_its_pair_ends(tmp_path, 
     scripts, results = tmp_path / "scripts", tmp_path / "results"
     scripts.mkdir()
     shutil.copy(FIXTURES / "fake_steps" / "fake_record.py", scripts)
-    (scripts / "01_waits_for_03.py").write_text(WAITS_FOR.format(mine="01", other="03"))
+    (scripts / "01_waits_for_03.py").write_text(
+        WAITS_FOR.format(mine="01", other="03", tour_pid=os.getpid()))
     for mine in ("02", "03"):
         (scripts / f"{mine}_ends_at_once.py").write_text(STARTS_AND_ENDS.format(mine=mine))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
