@@ -15,9 +15,10 @@ process per GPU (at most --nproc, and as many as the preset's batch splits over)
 one process on it for the GPU presets (article, imdb) and 2 CPU processes (gloo) for the CPU
 ones; with none, 2 CPU processes. The choice is printed and shown in the table.
 In a CPU tour (no GPU, or --device cpu) the single-process steps run two at a time, the next
-starting as soon as either ends (each prints its output when it ends), which shortens the tour by
-the seconds each spends starting Python and importing; their training times then include sharing
-the cores, as the table says. --publish and
+starting as soon as either ends (each prints its output when it ends); their training times then
+include sharing the cores, as the table says. On Linux with no GPU each of them is forked from
+one Python that has imported what the scripts import (tour/warm.py), not started as a Python of
+its own that imports it all again (about 8 s of a tiny step's 12-15). --publish and
 --one-at-a-time run each step alone, with its output streaming as it runs. A step that fails
 (non-zero exit, or no JSON record) is shown as failed in the table with the end of its stderr,
 and the others still run; the command then exits with status 1.
@@ -243,7 +244,7 @@ def kill_process_group(process):
         if isinstance(process, warm.WarmStep):  # a child not yet in a group of its own
             try:
                 os.kill(process.pid, signal.SIGKILL)
-            except ProcessLookupError:
+            except (ProcessLookupError, PermissionError):
                 pass
 
 
@@ -252,7 +253,10 @@ def started(command, env, slots):
     its workers: a fresh Python, or beside another in slots that start warm, a child of the fork
     server (tour/warm.py)."""
     if slots is not None and slots.warm:
-        return warm.WarmStep(command.argv, ROOT, env)
+        try:
+            return warm.WarmStep(command.argv, ROOT, env)
+        except (OSError, EOFError):  # the fork server is gone: a fresh Python
+            pass
     return subprocess.Popen(command.argv, cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True,
                             stdout=None if slots is None else subprocess.PIPE,
                             errors="replace", start_new_session=True)
@@ -385,21 +389,26 @@ def runs_alone(command):
     return command.argv[1:3] == ["-m", "torch.distributed.run"] or command.name == "estimate"
 
 
-def run_commands(commands, results_dir, total, timeout, side_by_side, preload=True):
+def run_commands(commands, results_dir, total, timeout, side_by_side, warm_start=False,
+                 preload=True):
     """Run `commands` in order, numbered from 1 of `total`; with `side_by_side`, each run of
-    consecutive single-process steps on two slots (run_side_by_side), started warm where the
-    system allows (tour/warm.py: `preload`, the fork server imports the scripts' modules).
-    Their outcomes, in order."""
-    outcomes, index = [], 0
+    consecutive single-process steps on two slots (run_side_by_side), with `warm_start` forked
+    from the fork server (tour/warm.py), which with `preload` imports the scripts' modules
+    first. Their outcomes, in order."""
+    outcomes, index, warm_started = [], 0, None
     positions = [f"[{number}/{total}]" for number in range(1, len(commands) + 1)]
     while index < len(commands):
         end = index
         while side_by_side and end < len(commands) and not runs_alone(commands[end]):
             end += 1
         if end - index >= 2:
-            warm_start = warm.available()
-            if warm_start:
-                warm.start_server(preload)
+            if warm_start and not warm_started:
+                print("\nstarting one Python that imports what the scripts import, from which "
+                      "each single-process step is forked ...", flush=True)
+                warm_started = time.perf_counter()
+                warm_start = warm.start_server(preload)
+                print(f"ready ({time.perf_counter() - warm_started:.1f} s)" if warm_start else
+                      "it could not start: each step starts a Python of its own", flush=True)
             outcomes += run_side_by_side(commands[index:end], results_dir, positions[index:end],
                                          timeout, warm_start)
             index = end
@@ -487,6 +496,11 @@ def parse_args(argv=None, scripts_dir=None):
     # seconds, after seconds of starting Python and importing, which two overlap
     args.side_by_side = not (args.one_at_a_time or args.publish or args.device == "cuda"
                              or (args.device == "auto" and torch.cuda.is_available()))
+    # those steps forked from one Python that has imported what they import (tour/warm.py), on
+    # Linux, with no GPU that a forked process could not use and for a preset that loads its
+    # data in the process (the GPU presets load theirs in worker processes)
+    args.warm_start = (args.side_by_side and warm.available() and not torch.cuda.is_available()
+                       and not PRESETS[args.preset].gpu)
     if args.publish is not None:  # checked before the first step, as the scripts check --results-dir
         from common.cli import unwritable
         problem = unwritable(str(args.publish))
@@ -566,7 +580,7 @@ def main(argv=None, scripts_dir=None):
                   "training times include sharing the cores; --one-at-a-time or --publish runs "
                   "each alone", flush=True)
         outcomes = run_commands(commands, staging, total, args.step_timeout, args.side_by_side,
-                                preload=scripts_dir is None)
+                                args.warm_start, preload=scripts_dir is None)
         if estimate is not None:
             estimate_outcome = run_command(estimate, staging, f"[{total}/{total}]", args.step_timeout)
         else:

@@ -12,16 +12,21 @@ standard output and error into files that the tour prints when it ends. Linux on
 (macOS's frameworks are not safe to fork) each step starts a fresh Python.
 """
 import atexit
+import io
 import multiprocessing
+import multiprocessing.connection
 import multiprocessing.forkserver
 import os
 import runpy
 import shutil
+import signal
 import sys
 import tempfile
+import threading
 import traceback
 from pathlib import Path
 
+ROOT = Path(__file__).resolve().parents[1]
 PRELOADED = ["tour.preload"]  # what the fork server imports before it forks: SCRIPTS_MODULES
 SCRIPTS_MODULES = [  # `common` first: its import silences library warnings the others would print
     "common", "torch", "transformers", "datasets", "sklearn.datasets",
@@ -33,33 +38,53 @@ SCRIPTS_MODULES = [  # `common` first: its import silences library warnings the 
     "transformers.models.bert.modeling_bert",  # tiny-text's
     "bitsandbytes",  # 05a, 05j, 07b
 ]
-SERVER_ENVIRONMENT = {"OMP_WAIT_POLICY": "PASSIVE"}  # read as PyTorch loads OpenMP, in the server
+# multiprocessing starts and reaps the children of the fork server, and reads their exit
+# statuses, from whichever thread asks: one at a time, or two threads could read one status
+STATUSES = threading.Lock()
 
 
 def available():
     return sys.platform == "linux"
 
 
+def server_environment():
+    """What the fork server starts with besides the tour's environment: OpenMP's threads, started
+    in each child, sleep while they wait (two steps share the cores; OpenMP reads it as PyTorch
+    loads it, in the server); the repository on its path, whatever the working directory."""
+    path = os.environ.get("PYTHONPATH")
+    return {"OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE"),
+            "PYTHONPATH": os.pathsep.join([str(ROOT), *([path] if path else [])])}
+
+
 def start_server(preload):
-    """Start the fork server, importing the scripts' modules if `preload` (the tour's own scripts;
-    a stand-in's imports are its own). Once a process: a server already started is kept as it
-    is. Its OpenMP threads, started in each child, sleep while they wait (two steps share the
-    cores): set as the server starts, since OpenMP reads it as PyTorch loads it there."""
+    """Start the fork server and wait for it to be ready, importing the scripts' modules if
+    `preload` (the tour's own scripts; a stand-in's imports are its own); True once it forks.
+    Once a process: a server already started is kept as it is. False where it cannot start: the
+    steps then start each a fresh Python."""
     multiprocessing.set_forkserver_preload(PRELOADED if preload else [])
-    before = {name: os.environ.get(name) for name in SERVER_ENVIRONMENT}
-    for name, value in SERVER_ENVIRONMENT.items():
-        os.environ.setdefault(name, value)
+    before = {name: os.environ.get(name) for name in ("OMP_WAIT_POLICY", "PYTHONPATH")}
+    os.environ.update(server_environment())
     try:
         multiprocessing.forkserver.ensure_running()
+        ready = multiprocessing.get_context("forkserver").Process(target=int)
+        with STATUSES:
+            ready.start()
+            ready.join()
+        return ready.exitcode == 0
+    except (OSError, EOFError):
+        return False
     finally:
         for name, value in before.items():
             if value is None:
                 os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 class WarmStep:
     """A script `argv` = [python, script, *args] running in a child of the fork server: what the
-    tour reads of a subprocess.Popen (pid, communicate, wait; with-block)."""
+    tour reads of a subprocess.Popen (pid, communicate, wait; with-block). Raises OSError or
+    EOFError where the server is gone."""
 
     def __init__(self, argv, cwd, env):
         self.folder = Path(tempfile.mkdtemp(prefix="tour-step-"))
@@ -68,11 +93,22 @@ class WarmStep:
         self.process = context.Process(target=run_as_main, args=(
             str(argv[1]), [str(arg) for arg in argv[2:]], str(cwd), dict(env),
             *map(str, self.outputs)))
-        self.process.start()
+        try:
+            with STATUSES:
+                self.process.start()
+        except BaseException:
+            shutil.rmtree(self.folder, ignore_errors=True)
+            raise
         self.pid = self.process.pid
 
     def wait(self):
-        self.process.join()
+        multiprocessing.connection.wait([self.process.sentinel])  # (without the lock)
+        with STATUSES:
+            self.process.join()
+        try:  # what it started and left running ends with it, as with the server gone
+            os.killpg(self.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
         return self.process.exitcode  # as Popen's: negative for a signal
 
     def communicate(self):
@@ -91,16 +127,25 @@ class WarmStep:
 
 def run_as_main(script, args, cwd, env, stdout_path, stderr_path):
     """In the fork server's child: run `script` as `python script *args` would, in `cwd` with
-    the environment `env`, its output into the two files; the child's exit status is the
-    script's (an exception: its traceback, then 1)."""
+    the environment `env`, its output into the two files, written as it comes; the child's exit
+    status is the script's (an exception: its traceback, then 1)."""
     os.setsid()  # a process group of its own, ended whole (and no Ctrl-C of the terminal's)
-    for descriptor, path in ((1, stdout_path), (2, stderr_path)):
+    for descriptor, path, name in ((1, stdout_path, "stdout"), (2, stderr_path, "stderr")):
         opened = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         os.dup2(opened, descriptor)
         os.close(opened)
+        stream = io.TextIOWrapper(io.FileIO(descriptor, "w", closefd=False), write_through=True,
+                                  encoding=getattr(sys, name).encoding,
+                                  errors=getattr(sys, name).errors)
+        setattr(sys, name, stream)
+        setattr(sys, f"__{name}__", stream)
     os.chdir(cwd)
-    os.environ.clear()
+    for name in server_environment().keys() - env.keys():
+        os.environ.pop(name, None)
     os.environ.update(env)
+    # as in a fresh Python: its processes started as the system's default starts them (the
+    # child of a fork server would start its own by a fork server too)
+    multiprocessing.set_start_method(None, force=True)
     sys.argv = [script, *args]
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
     try:
@@ -111,6 +156,7 @@ def run_as_main(script, args, cwd, env, stdout_path, stderr_path):
         traceback.print_exc()
         raise SystemExit(1) from None
     finally:
-        # what a Python ending normally runs: the handlers its modules registered (those the
-        # server's imports registered among them, as a fresh Python's imports would have)
+        # what a Python ending normally does: wait for its threads, then run the handlers its
+        # modules registered (the server's imports' among them, as a fresh Python's would be)
+        threading._shutdown()
         atexit._run_exitfuncs()

@@ -483,6 +483,48 @@ def test_every_module_the_fork_server_imports_is_installed():
         assert not inner or folder.with_suffix(".py").is_file() or (folder / "__init__.py").is_file(), name
 
 
+def test_a_step_forked_warm_finds_the_scripts_modules_imported(tmp_path):
+    """The fork server imports what the scripts import before it forks (tour/preload.py, which
+    passes over a module it fails to import): from any working directory."""
+    looks = tmp_path / "01_looks.py"
+    looks.write_text("import sys\nprint('not imported:', sorted(set(sys.argv[1:]) - set(sys.modules)))\n")
+    code = ("import os, sys; from tour import warm; assert warm.start_server(preload=True); "
+            f"step = warm.WarmStep([sys.executable, {str(looks)!r}, *warm.SCRIPTS_MODULES], "
+            f"{str(tmp_path)!r}, os.environ); print(*step.communicate(), step.wait())")
+    run = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=120)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.split() == ["not", "imported:", "[]", "0"]
+
+
+@pytest.mark.timeout(60)
+def test_a_side_by_side_tour_shows_its_failed_steps_as_alone(tmp_path, monkeypatch, capfd):
+    """Forked from the fork server (tour/warm.py), a step that raises, one that exits with a
+    message, one that hangs and one killed by a signal are shown as a Python of their own
+    would be, their output kept; the steps beside them write their records."""
+    scripts, results = tmp_path / "scripts", tmp_path / "results"
+    shutil.copytree(FIXTURES / "fake_steps", scripts, ignore=shutil.ignore_patterns("0[37]_*"))
+    (scripts / "03_says_why.py").write_text('import sys\nprint("03 output")\n'
+                                            'sys.exit("03 cannot go on: a message")\n')
+    (scripts / "04_hangs.py").write_text("import time\ntime.sleep(120)\n")
+    (scripts / "05_killed.py").write_text("import os, signal\nos.kill(os.getpid(), signal.SIGKILL)\n")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    status = tour.main(["--results-dir", str(results), "--skip-estimate", "--step-timeout", "3",
+                        "--steps", "01", "02", "03", "04", "05"], scripts_dir=scripts)
+    assert status == 1
+    output = capfd.readouterr()
+    rows = {name: row[-1] for name, row in table_rows((results / TOUR_TABLE).read_text()).items()}
+    assert rows == {
+        "01_writes_record": "ok",
+        "02_crashes": "failed: exit status 1: RuntimeError: broken on purpose",
+        "03_says_why": "failed: exit status 1: 03 cannot go on: a message",
+        "04_hangs": "failed: timed out after 3 s (--step-timeout) and was stopped",
+        "05_killed": "failed: exit status -9: no error message"}
+    assert "02 starting" in output.out and "03 output" in output.out
+    assert "a warning before the error" in output.err and "Traceback" in output.err
+
+
 STARTS_AND_ENDS = """# a fake step that notes it started and writes its record at once
 import sys
 from pathlib import Path
