@@ -1,6 +1,6 @@
 """A CPU tour's single-process steps, started warm: each step's script runs in a child forked
 from one Python that has already imported what the scripts import (PyTorch, transformers,
-datasets, scikit-learn, torchmetrics, common/: tour/preload.py), not in a fresh Python that
+datasets, torchmetrics, common/: tour/preload.py), not in a fresh Python that
 imports it all again. Those imports take about 8 s of a tiny step's 12-15 s on 2 cores; the
 step's own training time does not include them either way.
 
@@ -29,7 +29,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PRELOADED = ["tour.preload"]  # what the fork server imports before it forks: SCRIPTS_MODULES
 SCRIPTS_MODULES = [  # `common` first: its import silences library warnings the others would print
-    "common", "torch", "transformers", "datasets", "sklearn.datasets",
+    "common", "torch", "transformers", "datasets",
     "torchmetrics.classification",  # (common/evaluate.py imports it at the first evaluation)
     "common.cli", "common.data", "common.distributed", "common.evaluate", "common.launch",
     "common.memory", "common.model", "common.presets", "common.progress", "common.quirks",

@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 
@@ -361,6 +362,21 @@ def test_a_hub_preset_offline_fails_at_once_naming_what_and_pointing_offline(mon
 def test_hub_check_answers_quickly_when_nothing_listens(monkeypatch):
     monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # discard port: refused at once
     assert hub.hub_reachable(timeout=2.0) is False
+
+
+def test_the_digits_read_from_their_file_are_scikit_learns(monkeypatch):
+    """common/data.py reads the file scikit-learn ships, not through scikit-learn (whose import
+    takes longer than the tiny preset's first steps); a missing package says what to install."""
+    from sklearn.datasets import load_digits
+
+    import common.data
+    grey, labels = common.data.load_digits()
+    digits = load_digits()
+    assert np.array_equal(grey, digits.images) and grey.dtype == digits.images.dtype
+    assert np.array_equal(labels, digits.target) and labels.dtype == np.int64
+    monkeypatch.setattr(common.data.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(SystemExit, match="pip install -r requirements.txt"):
+        common.data.load_digits()
 
 
 def test_batches_are_pinned_only_for_a_cuda_device():
