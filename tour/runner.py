@@ -18,7 +18,10 @@ In a CPU tour (no GPU, or --device cpu) the single-process steps run two at a ti
 starting as soon as either ends (each prints its output when it ends); their training times then
 include sharing the cores, as the table says. On Linux with no GPU each of them is forked from
 one Python that has imported what the scripts import (tour/warm.py), not started as a Python of
-its own that imports it all again (about 8 s of a tiny step's 12-15). --publish and
+its own that imports it all again (about 8 s of a tiny step's 12-15); and the GPU estimate runs
+from the start beside them, at the lowest priority, on the cores the steps leave idle (a step
+importing, one slot free at the end of a run of steps, the sharded steps' waits for each other),
+its output printed when it ends. --publish and
 --one-at-a-time run each step alone, with its output streaming as it runs. A step that fails
 (non-zero exit, or no JSON record) is shown as failed in the table with the end of its stderr,
 and the others still run; the command then exits with status 1.
@@ -72,6 +75,7 @@ TRACEBACK_START = "Traceback (most recent call last):"
 RANK_PREFIX = re.compile(r"^\[rank\d+\]:\s?")     # what torchrun may put before a child's lines
 TORCHRUN_LOG_LINE = re.compile(r"^[EWIF]\d{4} ")   # torchrun's own log lines ("E1121 23:17:57 ...")
 ARGPARSE_ERROR = re.compile(r"^\S+: error: ")      # "01_baseline.py: error: argument --epochs: ..."
+LOWEST_PRIORITY = 19  # the estimate's nice value in a CPU tour (Background)
 RUNNING = set()  # the steps' processes running now (two side by side), ended together on Ctrl-C
 STOPPING = threading.Event()  # set on Ctrl-C: a step starting beside another is ended at once
 PRINTING = threading.Lock()  # two steps side by side print their outputs one after the other
@@ -257,9 +261,12 @@ def started(command, env, slots):
             return warm.WarmStep(command.argv, ROOT, env)
         except (OSError, EOFError):  # the fork server is gone: a fresh Python
             pass
-    return subprocess.Popen(command.argv, cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True,
-                            stdout=None if slots is None else subprocess.PIPE,
-                            errors="replace", start_new_session=True)
+    process = subprocess.Popen(command.argv, cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True,
+                               stdout=None if slots is None else subprocess.PIPE,
+                               errors="replace", start_new_session=True)
+    if isinstance(slots, Background) and hasattr(os, "setpriority"):  # (and the workers it forks)
+        os.setpriority(os.PRIO_PROCESS, process.pid, LOWEST_PRIORITY)
+    return process
 
 
 def run_command(command, results_dir, position, timeout=STEP_TIMEOUT, slots=None):
@@ -327,6 +334,22 @@ def run_command(command, results_dir, position, timeout=STEP_TIMEOUT, slots=None
             "returncode": returncode, "beside": beside,
             "wall_seconds": round(seconds, 1), "status": "ok" if error is None else "failed",
             "error": error, "error_lines": error_lines}
+
+
+class Background:
+    """Where the estimate runs in a CPU tour: beside every step from the tour's start, at the
+    lowest priority (POSIX), so that it takes the cores only while the steps leave them idle (a
+    step importing or loading, one slot free at the end of a run of steps, the sharded steps'
+    waits for each other); its output printed whole when it ends. Slots' interface."""
+    warm = False
+
+    def start(self, name, position):
+        with PRINTING:
+            print(f"\n{position} {name} ... (in the background from the start, at the lowest "
+                  "priority: on the cores the steps leave idle)", flush=True)
+
+    def end(self, name):
+        return ["every step, at the lowest priority"]
 
 
 class Slots:
@@ -579,11 +602,26 @@ def main(argv=None, scripts_dir=None):
             print("single-process steps run two at a time (a CPU tour without --publish): their "
                   "training times include sharing the cores; --one-at-a-time or --publish runs "
                   "each alone", flush=True)
-        outcomes = run_commands(commands, staging, total, args.step_timeout, args.side_by_side,
-                                args.warm_start, preload=scripts_dir is None)
-        if estimate is not None:
+        with ThreadPoolExecutor(max_workers=1) as background:
+            # a CPU tour's estimate from the start, on the cores the steps leave idle (Background)
+            early = estimate is not None and args.side_by_side
+            if early:
+                estimating = background.submit(run_command, estimate, staging, f"[{total}/{total}]",
+                                               args.step_timeout, Background())
+            try:
+                outcomes = run_commands(commands, staging, total, args.step_timeout,
+                                        args.side_by_side, args.warm_start,
+                                        preload=scripts_dir is None)
+                if early:
+                    estimate_outcome = estimating.result()
+            except BaseException:  # Ctrl-C: the estimate too ends at once
+                STOPPING.set()
+                for process in list(RUNNING):
+                    kill_process_group(process)
+                raise
+        if estimate is not None and not early:
             estimate_outcome = run_command(estimate, staging, f"[{total}/{total}]", args.step_timeout)
-        else:
+        elif estimate is None:
             estimate_outcome = {"script": "estimate", "status": "skipped",
                                 "error": no_estimate_reason(args)}
         write_json_atomically(staging / TOUR_FILE, {

@@ -483,6 +483,55 @@ def test_every_module_the_fork_server_imports_is_installed():
         assert not inner or folder.with_suffix(".py").is_file() or (folder / "__init__.py").is_file(), name
 
 
+ESTIMATES_BESIDE = """# stands in for python -m estimate: notes it started, says its priority
+import os, shutil, sys
+from pathlib import Path
+staging = Path(sys.argv[sys.argv.index("--results-dir") + 1])
+(staging.parent / "estimate.started").touch()
+print("the estimate's nice value:", os.getpriority(os.PRIO_PROCESS, 0), flush=True)
+shutil.copy({records!r}, staging / "estimate.json")
+"""
+WAITS_FOR_THE_ESTIMATE = """# a fake step that writes its record only once the estimate has started
+import sys, time
+from pathlib import Path
+from fake_record import write_record
+results = Path(sys.argv[sys.argv.index("--results-dir") + 1]).parent
+for _ in range(300):  # 30 s at most
+    if (results / "estimate.started").exists():
+        write_record(__file__)
+        sys.exit(0)
+    time.sleep(0.1)
+sys.exit("the estimate did not start beside me")
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "getpriority"), reason="no process priorities here")
+def test_a_cpu_tours_estimate_runs_from_the_start_at_the_lowest_priority(tmp_path, monkeypatch,
+                                                                       capfd):
+    """Beside every step, on the cores they leave idle: 01 ends only once it has started."""
+    scripts, results = tmp_path / "scripts", tmp_path / "results"
+    scripts.mkdir()
+    shutil.copy(FIXTURES / "fake_steps" / "fake_record.py", scripts)
+    (scripts / "01_waits_for_the_estimate.py").write_text(WAITS_FOR_THE_ESTIMATE)
+    (scripts / "02_ends_at_once.py").write_text(STARTS_AND_ENDS.format(mine="02"))
+    estimates = tmp_path / "estimates.py"
+    estimates.write_text(ESTIMATES_BESIDE.format(records=str(FIXTURES / "tour" / "estimate.json")))
+    monkeypatch.setattr(tour, "estimate_command", lambda results_dir: tour.Command(
+        "estimate", [sys.executable, str(estimates), "--results-dir", str(results_dir)],
+        "estimate.json", "estimate"))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    assert tour.main(["--results-dir", str(results), "--steps", "01", "02"],
+                     scripts_dir=scripts) == 0
+    output = capfd.readouterr().out
+    assert output.index("[3/3] estimate ... (in the background") < output.index("[1/3]")
+    assert f"the estimate's nice value: {tour.LOWEST_PRIORITY}" in output
+    assert "[3/3] estimate ok" in output and (results / "estimate.json").is_file()
+    steps = json.loads((results / "tour.json").read_text())
+    assert [step["status"] for step in steps["steps"]] == ["ok", "ok"]
+    assert steps["estimate"]["status"] == "ok"
+
+
 def test_a_step_forked_warm_finds_the_scripts_modules_imported(tmp_path):
     """The fork server imports what the scripts import before it forks (tour/preload.py, which
     passes over a module it fails to import): from any working directory."""
