@@ -50,7 +50,10 @@ def main():
     for outcome in [*tour["steps"], tour["estimate"]]:
         wall = outcome.get("wall_seconds")
         share = f"{wall:7.1f} s  {wall / seconds:5.1%}" if wall is not None else "    n/a"
-        print(f"{outcome['script']:<30} {share}  {outcome['status']}")
+        waited = outcome.get("waited_seconds")  # a CPU tour's estimate, beside every step
+        print(f"{outcome['script']:<30} {share}  {outcome['status']}" + (
+            "" if waited is None else f"  (from the start, beside the steps; the tour waited "
+                                      f"{waited:.1f} s for it after the last step)"))
     print(f"{'whole command':<30} {seconds:7.1f} s  (load average before {load_before:.1f} on "
           f"{os.cpu_count()} cores)  {verdict(seconds <= TARGET_SECONDS)}")
     baseline = json.loads((results / "01_baseline.json").read_text())

@@ -264,30 +264,57 @@ def started(command, env, slots):
     process = subprocess.Popen(command.argv, cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True,
                                stdout=None if slots is None else subprocess.PIPE,
                                errors="replace", start_new_session=True)
-    if isinstance(slots, Background) and hasattr(os, "setpriority"):  # (and the workers it forks)
-        os.setpriority(os.PRIO_PROCESS, process.pid, LOWEST_PRIORITY)
+    if isinstance(slots, Background):
+        lowest_priority(process.pid)
     return process
 
 
-def run_command(command, results_dir, position, timeout=STEP_TIMEOUT, slots=None):
+def lowest_priority(pid):
+    """Lower the process's priority (and that of the workers it forks) to the lowest, where the
+    system allows: its nice value, and on Linux its session's (each step runs in a session of its
+    own, and where sessions are scheduled as groups, autogroup, a nice value counts only within
+    its session: /proc/PID/autogroup's counts among them; the kernel takes one such change in a
+    tenth of a second from a user)."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, pid, LOWEST_PRIORITY)
+    except (AttributeError, OSError):  # (no priorities here, or not allowed)
+        return
+    autogroup = Path(f"/proc/{pid}/autogroup")
+    for _ in range(20):
+        try:
+            autogroup.write_text(str(LOWEST_PRIORITY))
+            return
+        except BlockingIOError:  # (another change within the last tenth of a second)
+            time.sleep(0.1)
+        except OSError:  # (no autogroup scheduling here)
+            return
+
+
+def run_command(command, results_dir, position, timeout=STEP_TIMEOUT, slots=None,
+                environment=None):
     """Run one Command with its output streaming through; returns its outcome for tour.json.
-    With `slots` (a Slots: it runs in one of two, beside other steps) its output is kept and
-    printed whole when it ends, so that two steps' lines do not interleave."""
+    With `slots` (a Slots: it runs in one of two, beside other steps; or the Background) its
+    output is kept and printed whole when it ends, so that two steps' lines do not interleave.
+    `environment`: its environment (by default os.environ, read as it starts)."""
     beside = None
     if slots is None:
         print(f"\n{position} {command.name} ...", flush=True)
     else:
         slots.start(command.name, position)
     start = time.perf_counter()
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}  # its lines interleave with ours in order
+    env = {**(environment or os.environ), "PYTHONUNBUFFERED": "1"}  # (its lines in order)
     if slots is not None:  # threads that wait for their turn sleep instead of spinning on the
         env.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # cores the other step's threads need
     with started(command, env, slots) as process:
         RUNNING.add(process)
         if STOPPING.is_set():  # Ctrl-C came while it started, beside another step
             kill_process_group(process)
-        watchdog = threading.Timer(timeout, kill_process_group, [process])
-        watchdog.start()
+        stopped = threading.Event()  # by the watchdog, at --step-timeout
+        watchdog = threading.Timer(timeout, lambda: stopped.set() or kill_process_group(process))
+        if isinstance(slots, Background):
+            slots.watch(watchdog)  # from when the steps have ended, not from the tour's start
+        else:
+            watchdog.start()
         try:
             if slots is None:
                 stderr_lines, stdout = stream_stderr(process), ""
@@ -308,7 +335,7 @@ def run_command(command, results_dir, position, timeout=STEP_TIMEOUT, slots=None
     seconds = time.perf_counter() - start
     if command.written and (results_dir / command.written).is_file():
         os.replace(results_dir / command.written, results_dir / command.output)
-    timed_out = seconds >= timeout and returncode != 0
+    timed_out = stopped.is_set() and returncode != 0
     _, unreadable = read_json(results_dir / command.output)
     error_line, error_lines = error_excerpt(stderr_lines)
     if timed_out:
@@ -337,11 +364,16 @@ def run_command(command, results_dir, position, timeout=STEP_TIMEOUT, slots=None
 
 
 class Background:
-    """Where the estimate runs in a CPU tour: beside every step from the tour's start, at the
-    lowest priority (POSIX), so that it takes the cores only while the steps leave them idle (a
-    step importing or loading, one slot free at the end of a run of steps, the sharded steps'
-    waits for each other); its output printed whole when it ends. Slots' interface."""
+    """Where the estimate runs in a CPU tour: beside the steps from the tour's start, at the
+    lowest priority (lowest_priority), so that it takes the cores only while the steps leave
+    them idle (a step loading, one slot free at the end of a run of steps, the sharded steps'
+    waits for each other); its output printed whole when it ends; its --step-timeout counted
+    from when the steps have ended (steps_ended). Slots' interface."""
     warm = False
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.watchdog, self.ended = None, False
 
     def start(self, name, position):
         with PRINTING:
@@ -349,7 +381,19 @@ class Background:
                   "priority: on the cores the steps leave idle)", flush=True)
 
     def end(self, name):
-        return ["every step, at the lowest priority"]
+        return ["the steps, at the lowest priority"]
+
+    def watch(self, watchdog):
+        with self.lock:
+            self.watchdog = watchdog
+            if self.ended:
+                watchdog.start()
+
+    def steps_ended(self):
+        with self.lock:
+            self.ended = True
+            if self.watchdog is not None:
+                self.watchdog.start()
 
 
 class Slots:
@@ -407,8 +451,9 @@ def run_side_by_side(commands, results_dir, positions, timeout, warm_start=False
 
 
 def runs_alone(command):
-    """True for what the tour never runs beside another step: the sharded steps (their
-    processes take every core) and the estimate (its own workers do)."""
+    """True for what the tour never runs beside another step in its slots: the sharded steps
+    (their processes take every core) and the estimate (its own workers do; a CPU tour runs it
+    in the background instead, at the lowest priority: Background)."""
     return command.argv[1:3] == ["-m", "torch.distributed.run"] or command.name == "estimate"
 
 
@@ -602,18 +647,23 @@ def main(argv=None, scripts_dir=None):
             print("single-process steps run two at a time (a CPU tour without --publish): their "
                   "training times include sharing the cores; --one-at-a-time or --publish runs "
                   "each alone", flush=True)
+        STOPPING.clear()  # (set by an earlier tour's Ctrl-C in this process)
         with ThreadPoolExecutor(max_workers=1) as background:
             # a CPU tour's estimate from the start, on the cores the steps leave idle (Background)
-            early = estimate is not None and args.side_by_side
-            if early:
-                estimating = background.submit(run_command, estimate, staging, f"[{total}/{total}]",
-                                               args.step_timeout, Background())
+            early, beside = estimate is not None and args.side_by_side, Background()
             try:
+                if early:  # (its environment read here: the fork server's start changes it)
+                    estimating = background.submit(run_command, estimate, staging,
+                                                   f"[{total}/{total}]", args.step_timeout,
+                                                   beside, dict(os.environ))
                 outcomes = run_commands(commands, staging, total, args.step_timeout,
                                         args.side_by_side, args.warm_start,
                                         preload=scripts_dir is None)
-                if early:
+                if early:  # and how long the tour waited for it once the steps had ended
+                    beside.steps_ended()
+                    steps_ended = time.perf_counter()
                     estimate_outcome = estimating.result()
+                    estimate_outcome["waited_seconds"] = round(time.perf_counter() - steps_ended, 1)
             except BaseException:  # Ctrl-C: the estimate too ends at once
                 STOPPING.set()
                 for process in list(RUNNING):
