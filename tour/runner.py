@@ -474,9 +474,13 @@ def run_commands(commands, results_dir, total, timeout, side_by_side, warm_start
                 print("\nstarting one Python that imports what the scripts import, from which "
                       "each single-process step is forked ...", flush=True)
                 warm_started = time.perf_counter()
-                warm_start = warm.start_server(preload)
-                print(f"ready ({time.perf_counter() - warm_started:.1f} s)" if warm_start else
-                      "it could not start: each step starts a Python of its own", flush=True)
+                not_imported = warm.start_server(preload)
+                warm_start = not_imported is not None
+                print(f"ready ({time.perf_counter() - warm_started:.1f} s)" + (
+                    f"; {not_imported} of the scripts' modules did not import in it, so each "
+                    "step imports them itself" if preload and not_imported else "")
+                      if warm_start else "it could not start: each step starts a Python of its "
+                                         "own", flush=True)
             outcomes += run_side_by_side(commands[index:end], results_dir, positions[index:end],
                                          timeout, warm_start)
             index = end

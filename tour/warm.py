@@ -58,27 +58,33 @@ def server_environment():
 
 def start_server(preload):
     """Start the fork server and wait for it to be ready, importing the scripts' modules if
-    `preload` (the tour's own scripts; a stand-in's imports are its own); True once it forks.
-    Once a process: a server already started is kept as it is. False where it cannot start: the
-    steps then start each a fresh Python."""
+    `preload` (the tour's own scripts; a stand-in's imports are its own). Once a process: a
+    server already started is kept as it is. Returns how many of SCRIPTS_MODULES a child forked
+    from it finds not imported (each step then imports those itself), or None where it cannot
+    start (each step then starts a fresh Python)."""
     multiprocessing.set_forkserver_preload(PRELOADED if preload else [])
     before = {name: os.environ.get(name) for name in ("OMP_WAIT_POLICY", "PYTHONPATH")}
     os.environ.update(server_environment())
     try:
         multiprocessing.forkserver.ensure_running()
-        ready = multiprocessing.get_context("forkserver").Process(target=int)
+        ready = multiprocessing.get_context("forkserver").Process(target=count_not_imported)
         with STATUSES:
             ready.start()
             ready.join()
-        return ready.exitcode == 0
+        return ready.exitcode if ready.exitcode is not None and ready.exitcode >= 0 else None
     except (OSError, EOFError):
-        return False
+        return None
     finally:
         for name, value in before.items():
             if value is None:
                 os.environ.pop(name, None)
             else:
                 os.environ[name] = value
+
+
+def count_not_imported():
+    """In a child of the fork server: exits with how many of SCRIPTS_MODULES it has not imported."""
+    sys.exit(sum(name not in sys.modules for name in SCRIPTS_MODULES))
 
 
 class WarmStep:
