@@ -463,24 +463,15 @@ def run_commands(commands, results_dir, total, timeout, side_by_side, warm_start
     consecutive single-process steps on two slots (run_side_by_side), with `warm_start` forked
     from the fork server (tour/warm.py), which with `preload` imports the scripts' modules
     first. Their outcomes, in order."""
-    outcomes, index, warm_started = [], 0, None
+    outcomes, index, server_started = [], 0, False
     positions = [f"[{number}/{total}]" for number in range(1, len(commands) + 1)]
     while index < len(commands):
         end = index
         while side_by_side and end < len(commands) and not runs_alone(commands[end]):
             end += 1
         if end - index >= 2:
-            if warm_start and not warm_started:
-                print("\nstarting one Python that imports what the scripts import, from which "
-                      "each single-process step is forked ...", flush=True)
-                warm_started = time.perf_counter()
-                not_imported = warm.start_server(preload)
-                warm_start = not_imported is not None
-                print(f"ready ({time.perf_counter() - warm_started:.1f} s)" + (
-                    f"; {not_imported} of the scripts' modules did not import in it, so each "
-                    "step imports them itself" if preload and not_imported else "")
-                      if warm_start else "it could not start: each step starts a Python of its "
-                                         "own", flush=True)
+            if warm_start and not server_started:
+                warm_start, server_started = fork_server_started(preload), True
             outcomes += run_side_by_side(commands[index:end], results_dir, positions[index:end],
                                          timeout, warm_start)
             index = end
@@ -488,6 +479,22 @@ def run_commands(commands, results_dir, total, timeout, side_by_side, warm_start
             outcomes.append(run_command(commands[index], results_dir, positions[index], timeout))
             index += 1
     return outcomes
+
+
+def fork_server_started(preload):
+    """Start the fork server (tour/warm.py), saying so, and how long it took; False where it
+    could not start."""
+    print("\nstarting one Python that imports what the scripts import, from which each "
+          "single-process step is forked ...", flush=True)
+    start = time.perf_counter()
+    not_imported = warm.start_server(preload)
+    if not_imported is None:
+        print("it could not start: each step starts a Python of its own", flush=True)
+        return False
+    print(f"ready ({time.perf_counter() - start:.1f} s)" + (
+        f"; {not_imported} of the scripts' modules did not import in it, so each step imports "
+        "them itself" if preload and not_imported else ""), flush=True)
+    return True
 
 
 def move_results(staging, results_dir, responsible_for):

@@ -487,26 +487,12 @@ ESTIMATES_BESIDE = """# stands in for python -m estimate: notes it started, says
 import os, shutil, sys
 from pathlib import Path
 staging = Path(sys.argv[sys.argv.index("--results-dir") + 1])
-(staging.parent / "estimate.started").touch()
+(staging / "estimate.started").touch()  # (the steps' --results-dir too)
 print("the estimate's nice value:", os.getpriority(os.PRIO_PROCESS, 0), flush=True)
 if Path("/proc/self/autogroup").is_file():  # Linux's scheduling of sessions as groups
     print("its session's:", Path("/proc/self/autogroup").read_text().split()[-1], flush=True)
 shutil.copy({records!r}, staging / "estimate.json")
 """
-WAITS_FOR_THE_ESTIMATE = """# a fake step that writes its record only once the estimate has started
-import sys, time
-from pathlib import Path
-from fake_record import write_record
-results = Path(sys.argv[sys.argv.index("--results-dir") + 1]).parent
-for _ in range(300):  # 30 s at most
-    if (results / "estimate.started").exists():
-        write_record(__file__)
-        sys.exit(0)
-    time.sleep(0.1)
-sys.exit("the estimate did not start beside me")
-"""
-
-
 @pytest.mark.skipif(not hasattr(os, "getpriority"), reason="no process priorities here")
 def test_a_cpu_tours_estimate_runs_from_the_start_at_the_lowest_priority(tmp_path, monkeypatch,
                                                                        capfd):
@@ -514,7 +500,8 @@ def test_a_cpu_tours_estimate_runs_from_the_start_at_the_lowest_priority(tmp_pat
     scripts, results = tmp_path / "scripts", tmp_path / "results"
     scripts.mkdir()
     shutil.copy(FIXTURES / "fake_steps" / "fake_record.py", scripts)
-    (scripts / "01_waits_for_the_estimate.py").write_text(WAITS_FOR_THE_ESTIMATE)
+    (scripts / "01_waits_for_the_estimate.py").write_text(
+        WAITS_FOR.format(mine="01", other="estimate", tour_pid=os.getpid()))
     (scripts / "02_ends_at_once.py").write_text(STARTS_AND_ENDS.format(mine="02"))
     estimates = tmp_path / "estimates.py"
     estimates.write_text(ESTIMATES_BESIDE.format(records=str(FIXTURES / "tour" / "estimate.json")))
