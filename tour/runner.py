@@ -18,11 +18,12 @@ In a CPU tour (no GPU, or --device cpu) the single-process steps run two at a ti
 starting as soon as either ends (each prints its output when it ends); their training times then
 include sharing the cores, as the table says. On Linux with no GPU each of them is forked from
 one Python that has imported what the scripts import (tour/warm.py), not started as a Python of
-its own that imports it all again (about 8 s of a tiny step's 12-15); and the GPU estimate runs
-from the start beside them, at the lowest priority, on the cores the steps leave idle (a step
-importing, one slot free at the end of a run of steps, the sharded steps' waits for each other),
-its output printed when it ends. --publish and
---one-at-a-time run each step alone, with its output streaming as it runs. A step that fails
+its own that imports it all again (about 8 s of a tiny step's 12-15), and so is each sharded
+step's torchrun, which forks its processes from itself (about 9 s of a sharded step's 40); and
+the GPU estimate runs from the start beside them, at the lowest priority, on the cores the steps
+leave idle (a step importing, one slot free at the end of a run of steps, the sharded steps'
+waits for each other), its output printed when it ends. --publish and --one-at-a-time run each
+step alone, with its output streaming as it runs. A step that fails
 (non-zero exit, or no JSON record) is shown as failed in the table with the end of its stderr,
 and the others still run; the command then exits with status 1.
 
@@ -252,13 +253,13 @@ def kill_process_group(process):
                 pass
 
 
-def started(command, env, slots):
+def started(command, env, slots, warm_start=False):
     """The step's process, in a process group of its own, so that a hung step is ended with all
-    its workers: a fresh Python, or beside another in slots that start warm, a child of the fork
-    server (tour/warm.py)."""
-    if slots is not None and slots.warm:
+    its workers: a fresh Python, or a child of the fork server (tour/warm.py) beside another in
+    slots that start warm, or alone where `warm_start`."""
+    if (slots.warm if slots is not None else warm_start) and warm.starts_warm(command.argv):
         try:
-            return warm.WarmStep(command.argv, ROOT, env)
+            return warm.WarmStep(command.argv, ROOT, env, live=slots is None)
         except (OSError, EOFError):  # the fork server is gone: a fresh Python
             pass
     process = subprocess.Popen(command.argv, cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True,
@@ -291,11 +292,12 @@ def lowest_priority(pid):
 
 
 def run_command(command, results_dir, position, timeout=STEP_TIMEOUT, slots=None,
-                environment=None):
+                environment=None, warm_start=False):
     """Run one Command with its output streaming through; returns its outcome for tour.json.
     With `slots` (a Slots: it runs in one of two, beside other steps; or the Background) its
     output is kept and printed whole when it ends, so that two steps' lines do not interleave.
-    `environment`: its environment (by default os.environ, read as it starts)."""
+    `environment`: its environment (by default os.environ, read as it starts). `warm_start`
+    (without slots): forked from the fork server (tour/warm.py)."""
     beside = None
     if slots is None:
         print(f"\n{position} {command.name} ...", flush=True)
@@ -305,7 +307,7 @@ def run_command(command, results_dir, position, timeout=STEP_TIMEOUT, slots=None
     env = {**(environment or os.environ), "PYTHONUNBUFFERED": "1"}  # (its lines in order)
     if slots is not None:  # threads that wait for their turn sleep instead of spinning on the
         env.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # cores the other step's threads need
-    with started(command, env, slots) as process:
+    with started(command, env, slots, warm_start) as process:
         RUNNING.add(process)
         if STOPPING.is_set():  # Ctrl-C came while it started, beside another step
             kill_process_group(process)
@@ -460,23 +462,25 @@ def runs_alone(command):
 def run_commands(commands, results_dir, total, timeout, side_by_side, warm_start=False,
                  preload=True):
     """Run `commands` in order, numbered from 1 of `total`; with `side_by_side`, each run of
-    consecutive single-process steps on two slots (run_side_by_side), with `warm_start` forked
-    from the fork server (tour/warm.py), which with `preload` imports the scripts' modules
-    first. Their outcomes, in order."""
-    outcomes, index, server_started = [], 0, False
+    consecutive single-process steps on two slots (run_side_by_side); with `warm_start` every
+    step forked from the fork server (tour/warm.py: a sharded step's torchrun too, and its
+    processes from it), which with `preload` imports the scripts' modules first. Their
+    outcomes, in order."""
+    outcomes, index = [], 0
     positions = [f"[{number}/{total}]" for number in range(1, len(commands) + 1)]
+    if warm_start and commands:  # (a CPU tour: its estimate runs in the background, not here)
+        warm_start = fork_server_started(preload)
     while index < len(commands):
         end = index
         while side_by_side and end < len(commands) and not runs_alone(commands[end]):
             end += 1
         if end - index >= 2:
-            if warm_start and not server_started:
-                warm_start, server_started = fork_server_started(preload), True
             outcomes += run_side_by_side(commands[index:end], results_dir, positions[index:end],
                                          timeout, warm_start)
             index = end
         else:
-            outcomes.append(run_command(commands[index], results_dir, positions[index], timeout))
+            outcomes.append(run_command(commands[index], results_dir, positions[index], timeout,
+                                        warm_start=warm_start))
             index += 1
     return outcomes
 
@@ -484,8 +488,8 @@ def run_commands(commands, results_dir, total, timeout, side_by_side, warm_start
 def fork_server_started(preload):
     """Start the fork server (tour/warm.py), saying so, and how long it took; False where it
     could not start."""
-    print("\nstarting one Python that imports what the scripts import, from which each "
-          "single-process step is forked ...", flush=True)
+    print("\nstarting one Python that imports what the scripts import, from which each step "
+          "is forked (a sharded step's torchrun, and its processes from it) ...", flush=True)
     start = time.perf_counter()
     not_imported = warm.start_server(preload)
     if not_imported is None:
@@ -575,7 +579,7 @@ def parse_args(argv=None, scripts_dir=None):
     # seconds, after seconds of starting Python and importing, which two overlap
     args.side_by_side = not (args.one_at_a_time or args.publish or args.device == "cuda"
                              or (args.device == "auto" and torch.cuda.is_available()))
-    # those steps forked from one Python that has imported what they import (tour/warm.py), on
+    # the steps forked from one Python that has imported what they import (tour/warm.py), on
     # Linux, with no GPU that a forked process could not use and for a preset that loads its
     # data in the process (the GPU presets load theirs in worker processes)
     args.warm_start = (args.side_by_side and warm.available() and not torch.cuda.is_available()

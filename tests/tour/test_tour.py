@@ -472,6 +472,50 @@ def test_a_cpu_tour_runs_two_single_process_steps_side_by_side(tmp_path, monkeyp
     assert not tour.parse_args([], scripts_dir=scripts).side_by_side
 
 
+SAYS_HOW_IT_STARTED = """# a fake sharded step: says how it was started, then writes its record (rank 0)
+import os, sys
+from pathlib import Path
+import torch
+from fake_record import write_record
+torchrun = int(Path(f"/proc/{{os.getppid()}}/stat").read_text().rsplit(")", 1)[1].split()[1])
+print(f"process {{os.environ['RANK']}} of {{os.environ['WORLD_SIZE']}}: torchrun's: "  # (one write)
+      f"{{'TORCHELASTIC_RUN_ID' in os.environ}} | threads: {{torch.get_num_threads()}} | torchrun "
+      f"started by the tour itself: {{torchrun == {tour_pid}}}", flush=True)
+write_record(__file__)
+"""
+FAILS_IN_ONE = """import os, time
+if os.environ["RANK"] == "1":
+    raise RuntimeError("process 1 broke on purpose")
+time.sleep(60)  # until torchrun ends it, on process 1's failure
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").is_file(), reason="reads /proc")
+def test_a_cpu_tours_sharded_step_is_torchrun_forking_its_processes_warm(tmp_path, monkeypatch,
+                                                                        capfd):
+    """On Linux torchrun runs in a child of the fork server and forks its processes (tour/warm.py),
+    each with torchrun's environment and its one thread a process; one that raises fails the
+    step with its error, and torchrun ends the other."""
+    scripts, results = tmp_path / "scripts", tmp_path / "results"
+    scripts.mkdir()
+    shutil.copy(FIXTURES / "fake_steps" / "fake_record.py", scripts)
+    (scripts / "07_says_how_it_started.py").write_text(
+        SAYS_HOW_IT_STARTED.format(tour_pid=os.getpid()))
+    (scripts / "08_fails_in_one.py").write_text(FAILS_IN_ONE)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    assert tour.main(["--results-dir", str(results), "--skip-estimate"], scripts_dir=scripts) == 1
+    output = capfd.readouterr()
+    for rank in (0, 1):
+        assert (f"process {rank} of 2: torchrun's: True | threads: 1 | torchrun started by the "
+                f"tour itself: {not warm.available()}") in output.out
+    rows = {name: row[-1] for name, row in table_rows((results / TOUR_TABLE).read_text()).items()}
+    assert rows == {"07_says_how_it_started (2 processes, cpu)": "ok",
+                    "08_fails_in_one":
+                        "failed: exit status 1: RuntimeError: process 1 broke on purpose"}
+    assert "Traceback" in output.err  # streamed through as it came
+
+
 def test_every_module_the_fork_server_imports_is_installed():
     """tour/preload.py passes over a module that fails to import (a step imports it then, and
     says why), so a name that names no module would only slow every step, silently."""
