@@ -305,8 +305,9 @@ def run_command(command, results_dir, position, timeout=STEP_TIMEOUT, slots=None
         slots.start(command.name, position)
     start = time.perf_counter()
     env = {**(environment or os.environ), "PYTHONUNBUFFERED": "1"}  # (its lines in order)
-    if slots is not None:  # threads that wait for their turn sleep instead of spinning on the
-        env.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # cores the other step's threads need
+    if slots is not None or warm_start:  # threads that wait for their turn sleep instead of
+        # spinning on the cores the other step's threads need (as in the fork server: warm.py)
+        env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     with started(command, env, slots, warm_start) as process:
         RUNNING.add(process)
         if STOPPING.is_set():  # Ctrl-C came while it started, beside another step

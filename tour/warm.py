@@ -126,13 +126,12 @@ class WarmStep:
     server is gone."""
 
     def __init__(self, argv, cwd, env, live=False):
+        read, write = os.pipe() if live else (None, None)
         self.folder = Path(tempfile.mkdtemp(prefix="tour-step-"))
         self.outputs = self.folder / "stdout", self.folder / "stderr"
         self.stderr = None
-        outputs = [str(path) for path in self.outputs]
-        if live:
-            read, write = os.pipe()
-            outputs = [PassedDescriptor(1), PassedDescriptor(write)]
+        outputs = ([PassedDescriptor(1), PassedDescriptor(write)] if live
+                   else [str(path) for path in self.outputs])
         context = multiprocessing.get_context("forkserver")
         self.process = context.Process(target=run_as_main, args=(
             [str(arg) for arg in argv[1:]], str(cwd), dict(env), *outputs))
@@ -232,8 +231,29 @@ def run_path(script, *args):
 
 def launch_forked(args):
     """torchrun `args` in this process, its processes forked from it: torchrun runs each as
-    `--run-path` does (runpy in the same interpreter), here as run_path does."""
+    `--run-path` does (runpy in the same interpreter), here as run_forked does."""
     from torch.distributed import run as torchrun
-    torchrun.run_script_path = run_path  # (what config_from_args gives --run-path's processes)
+    torchrun.run_script_path = run_forked  # (what config_from_args gives --run-path's processes)
     sys.argv = ["torchrun", *args]
     torchrun.main(["--run-path", "--start-method", "fork", *args])
+
+
+def run_forked(script, *args):
+    """One of torchrun's processes, forked from it: run_path, and the rest as a fresh `python -u
+    script *args` that torchrun started would: the signals' default handlers (not torchrun's,
+    which this process inherits), an exception's traceback printed and exit status 1 (torchrun's
+    wrapper would keep it for its own report), then its threads joined and the handlers its
+    modules registered run (a forked process leaves without either)."""
+    for number in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
+        signal.signal(number, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        run_path(script, *args)
+    except SystemExit:
+        raise
+    except BaseException:
+        traceback.print_exc()
+        raise SystemExit(1) from None
+    finally:
+        threading._shutdown()
+        atexit._run_exitfuncs()
