@@ -199,19 +199,25 @@ def run_as_main(argv, cwd, env, stdout, stderr):
     # as in a fresh Python: its processes started as the system's default starts them (the
     # child of a fork server would start its own by a fork server too)
     multiprocessing.set_start_method(None, force=True)
+    if argv[:2] == TORCHRUN:
+        ended_as_python_ends(launch_forked, argv[2:])
+    else:
+        ended_as_python_ends(run_path, *argv)
+
+
+def ended_as_python_ends(run, *args):
+    """run(*args) in a forked process, and end as a Python process ends: an exception's traceback
+    printed, then exit status 1 (SystemExit as it is: multiprocessing exits with its code, or
+    prints its message, then 1); its threads waited for, then the handlers its modules registered
+    run (the server's imports' among them, as a fresh Python's would be)."""
     try:
-        if argv[:2] == TORCHRUN:
-            launch_forked(argv[2:])
-        else:
-            run_path(*argv)
+        run(*args)
     except SystemExit:
-        raise  # (multiprocessing exits with its code; a message is printed, then 1)
+        raise
     except BaseException:
         traceback.print_exc()
         raise SystemExit(1) from None
     finally:
-        # what a Python ending normally does: wait for its threads, then run the handlers its
-        # modules registered (the server's imports' among them, as a fresh Python's would be)
         threading._shutdown()
         atexit._run_exitfuncs()
 
@@ -241,19 +247,9 @@ def launch_forked(args):
 def run_forked(script, *args):
     """One of torchrun's processes, forked from it: run_path, and the rest as a fresh `python -u
     script *args` that torchrun started would: the signals' default handlers (not torchrun's,
-    which this process inherits), an exception's traceback printed and exit status 1 (torchrun's
-    wrapper would keep it for its own report), then its threads joined and the handlers its
-    modules registered run (a forked process leaves without either)."""
+    which this process inherits), and its end (ended_as_python_ends: torchrun's wrapper would
+    keep an exception for its own report, and a forked process leaves without the rest)."""
     for number in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
         signal.signal(number, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
-    try:
-        run_path(script, *args)
-    except SystemExit:
-        raise
-    except BaseException:
-        traceback.print_exc()
-        raise SystemExit(1) from None
-    finally:
-        threading._shutdown()
-        atexit._run_exitfuncs()
+    ended_as_python_ends(run_path, script, *args)
