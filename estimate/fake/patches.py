@@ -24,6 +24,9 @@ from estimate.gpu_choices import foreach_as_on_cuda
 DEVICE_QUERY = torch.ops.prim.device.default
 BATCH_NORM = torch.ops.aten.native_batch_norm.default
 HALF_TYPES = (torch.float16, torch.bfloat16)
+# arguments that FakeTensorMode's cache key holds as they are, after their type
+KEYED_AS_THEY_ARE = frozenset({int, float, bool, str, type(None), torch.dtype, torch.device,
+                               torch.layout, torch.memory_format})
 
 
 class FakeModeReadingZeros(FakeTensorMode):
@@ -51,6 +54,29 @@ class FakeModeReadingZeros(FakeTensorMode):
         if func is BATCH_NORM:
             out = self.batch_norm_statistics(args, out)
         return out
+
+    def _prep_args_for_hash(self, result, args, state, id_hashed_objects):
+        """FakeTensorMode's key for its cache of operations' outputs, of the arguments `args` (a
+        list or tuple): each of this mode's fake tensors as one tuple of the facts the stock key
+        flattens out of it one by one (a third of a fake run's time went to that), every other
+        argument as the stock key holds it. The same facts, so the same operations share a key
+        (tests/estimate/test_estimate.py compares both keys over a run), less its memory format,
+        which its shape and strides decide. With a shape environment (symbolic sizes, which this
+        mode never has), the stock key."""
+        if self.shape_env is not None or type(args) not in (list, tuple):
+            return super()._prep_args_for_hash(result, args, state, id_hashed_objects)
+        result += (type(args), len(args))
+        for arg in args:
+            kind = type(arg)
+            if (kind is FakeTensor and arg.fake_mode is self and arg.constant is None
+                    and arg.layout is torch.strided):
+                result.append((arg.dtype, arg.shape, arg.stride(), arg.device, arg.storage_offset(),
+                               arg.untyped_storage().nbytes(), arg.requires_grad, arg.is_quantized,
+                               arg.is_conj(), arg.is_neg(), arg.is_inference()))
+            elif kind in KEYED_AS_THEY_ARE:
+                result += (kind, arg)  # (the type too: 1 and 1.0 are equal keys)
+            else:  # (a stock key's (tuple, "length_1") first: never one of the above's)
+                super()._prep_args_for_hash(result, (arg,), state, id_hashed_objects)
 
     def batch_norm_statistics(self, args, out):
         """native_batch_norm's outputs with the saved mean and inverse standard deviation (kept

@@ -9,6 +9,7 @@ import json
 import subprocess
 import sys
 import weakref
+from types import MethodType
 
 import pytest
 import torch
@@ -73,6 +74,79 @@ def test_the_recorded_order_replays_to_memtrackers_own_peak():
     replayed = replay(run.training_events(), "cpu", emulate_cuda=False)
     assert replayed.allocated_bytes == run.meter_result["peak_memory_bytes"]
     assert replayed.breakdown_bytes == run.meter_result["breakdown_bytes"]
+
+
+def operations_differing_in_one_fact():
+    """Copies of tensors of one shape that differ in one fact each (their dtype, strides,
+    storage offset and bytes, gradient, negative or conjugate bit, inference), and a product by
+    a scalar of either type, on fake tensors: each a key of its own in either cache key."""
+    from estimate.fake.patches import FakeModeReadingZeros
+    with FakeModeReadingZeros():
+        with torch.inference_mode():
+            inference = torch.zeros(3, 4)
+        complex_numbers = torch.zeros(3, 4, dtype=torch.complex64)
+        counts = torch.zeros(3, 4, dtype=torch.long)
+        for tensor in (torch.zeros(3, 4), torch.zeros(3, 4, dtype=torch.float16), counts,
+                       torch.zeros(4, 3).t(), torch.zeros(4, 4)[1:],
+                       torch.zeros(3, 4, requires_grad=True), torch._neg_view(torch.zeros(3, 4)),
+                       complex_numbers, complex_numbers.conj(), inference):
+            tensor.clone()  # (an operation that takes a negative or conjugate view as it is)
+        for scalar in (2, 2.0):
+            torch.mul(counts, scalar)
+
+
+@pytest.mark.parametrize("name, flags, world_size", [
+    ("02", ["--device", "cuda"], 1),  # float16 autocast on an emulated GPU: casts, batch norm
+    ("10", [*TEXT, "--task", "causal-lm", "--loss", "chunked", "--optimizer", "adamw-8bit",
+            "--checkpointing", "selective", "--device", "cuda"], 2),  # sharded, lists of shards
+    (None, [], 12),  # operations_differing_in_one_fact's copies and products
+], ids=["02", "10-text-sharded", "one-fact-apart"])
+def test_the_fake_modes_cache_key_tells_apart_the_operations_the_stock_key_does(
+        name, flags, world_size, monkeypatch):
+    """The fake mode keys its cache of operations' outputs on each fake tensor's facts in one
+    tuple (estimate/fake/patches.py): over a whole run, two operations share its key exactly
+    where they share the stock key of FakeTensorMode, and an operation goes uncached where the
+    stock key would leave it so, for the same reason."""
+    from torch._subclasses.fake_tensor import FakeTensorMode, _BypassDispatchCache
+
+    from estimate.fake.patches import FakeModeReadingZeros
+    pairs = []
+    keyed = FakeTensorMode._cache_key
+
+    def key(mode, state, func, args, kwargs):
+        try:
+            return keyed(mode, state, func, args, kwargs)
+        except _BypassDispatchCache as bypassed:
+            return f"uncached: {bypassed}"
+
+    def both_keys(mode, state, func, args, kwargs):
+        ours = key(mode, state, func, args, kwargs)
+        # the stock method where the key starts and where it goes into lists
+        mode._prep_args_for_hash = MethodType(FakeTensorMode._prep_args_for_hash, mode)
+        try:
+            stock = key(mode, state, func, args, kwargs)
+        finally:
+            del mode._prep_args_for_hash
+        pairs.append((getattr(ours, "key", ours), getattr(stock, "key", stock)))
+        if isinstance(ours, str):
+            raise _BypassDispatchCache(ours.removeprefix("uncached: "))
+        return ours
+
+    monkeypatch.setattr(FakeModeReadingZeros, "_cache_key", both_keys)
+    if name is None:
+        operations_differing_in_one_fact()
+        pairs = [pair for pair in pairs if pair[1][0] in (torch.ops.aten.clone.default,
+                                                          torch.ops.aten.mul.Tensor)]
+        fewest = world_size  # (the copies and products, all cached)
+    else:
+        predict(script_path(name), flags, world_size=world_size)
+        fewest = 100
+    ours, stock = ({pair[side] for pair in pairs} for side in (0, 1))
+    assert len(ours) == len(stock) == len(set(pairs)) >= fewest  # one to one
+    assert all(isinstance(a, str) == isinstance(b, str) and (a == b or not isinstance(a, str))
+               for a, b in pairs)
+    assert any(isinstance(part, tuple) and isinstance(part[0], torch.dtype)  # its tuples made
+               for each in ours if not isinstance(each, str) for part in each if part)
 
 
 @pytest.mark.parametrize("script, world_size", [("05", 1), ("09", 2)])
