@@ -77,29 +77,37 @@ def test_the_recorded_order_replays_to_memtrackers_own_peak():
 
 
 def operations_differing_in_one_fact():
-    """Copies of tensors of one shape that differ in one fact each (their dtype, strides,
-    storage offset and bytes, gradient, negative or conjugate bit, inference), and a product by
-    a scalar of either type, on fake tensors: each a key of its own in either cache key."""
+    """Copies of tensors of one shape that differ in one fact each (their dtype, device, strides,
+    storage offset, storage bytes, gradient, negative or conjugate bit, inference), a product
+    by a scalar of either type, and products of lists of tensors, on fake tensors: each a key
+    of its own in either cache key (COPIES_AND_PRODUCTS)."""
     from estimate.fake.patches import FakeModeReadingZeros
     with FakeModeReadingZeros():
         with torch.inference_mode():
             inference = torch.zeros(3, 4)
         complex_numbers = torch.zeros(3, 4, dtype=torch.complex64)
         counts = torch.zeros(3, 4, dtype=torch.long)
+        thirteen = torch.zeros(13)
         for tensor in (torch.zeros(3, 4), torch.zeros(3, 4, dtype=torch.float16), counts,
-                       torch.zeros(4, 3).t(), torch.zeros(4, 4)[1:],
+                       torch.zeros(3, 4, device="cuda"), torch.zeros(4, 3).t(),
+                       thirteen[:12].view(3, 4), thirteen[1:].view(3, 4), torch.zeros(4, 4)[:3],
                        torch.zeros(3, 4, requires_grad=True), torch._neg_view(torch.zeros(3, 4)),
                        complex_numbers, complex_numbers.conj(), inference):
             tensor.clone()  # (an operation that takes a negative or conjugate view as it is)
         for scalar in (2, 2.0):
             torch.mul(counts, scalar)
+        for other in (torch.zeros(3, 4), torch.zeros(3, 4, dtype=torch.float16)):
+            torch._foreach_mul([counts.float(), other], 2.0)
+
+
+COPIES_AND_PRODUCTS = 17  # operations_differing_in_one_fact's: 13 copies, 2 products, 2 of lists
 
 
 @pytest.mark.parametrize("name, flags, world_size", [
     ("02", ["--device", "cuda"], 1),  # float16 autocast on an emulated GPU: casts, batch norm
     ("10", [*TEXT, "--task", "causal-lm", "--loss", "chunked", "--optimizer", "adamw-8bit",
             "--checkpointing", "selective", "--device", "cuda"], 2),  # sharded, lists of shards
-    (None, [], 12),  # operations_differing_in_one_fact's copies and products
+    (None, [], None),  # operations_differing_in_one_fact
 ], ids=["02", "10-text-sharded", "one-fact-apart"])
 def test_the_fake_modes_cache_key_tells_apart_the_operations_the_stock_key_does(
         name, flags, world_size, monkeypatch):
@@ -135,9 +143,10 @@ def test_the_fake_modes_cache_key_tells_apart_the_operations_the_stock_key_does(
     monkeypatch.setattr(FakeModeReadingZeros, "_cache_key", both_keys)
     if name is None:
         operations_differing_in_one_fact()
-        pairs = [pair for pair in pairs if pair[1][0] in (torch.ops.aten.clone.default,
-                                                          torch.ops.aten.mul.Tensor)]
-        fewest = world_size  # (the copies and products, all cached)
+        pairs = [pair for pair in pairs if pair[1][0] in (
+            torch.ops.aten.clone.default, torch.ops.aten.mul.Tensor,
+            torch.ops.aten._foreach_mul.Scalar)]
+        fewest = COPIES_AND_PRODUCTS  # (all cached)
     else:
         predict(script_path(name), flags, world_size=world_size)
         fewest = 100
